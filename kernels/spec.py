@@ -1,0 +1,119 @@
+"""What a kernel is: the contract every entry of the kernel library fills in.
+
+The kernel library knows nothing of devices, programs or scheduling. A ``KernelSpec`` says
+everything a device needs to run the kernel (CUDA C source and entry point, launch rule,
+argument marshalling) and everything a host device or a test needs (the numpy twin and the
+float64 reference). Kernel parameter order on the device is fixed: input pointers, then output
+pointers, then the scalars that ``configure`` returns.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+Shape = tuple[int, ...]
+
+
+class KernelSpecError(ValueError):
+    """A kernel was given shapes, dtypes or params it cannot run on.
+
+    ``where`` names the offending part ("in[1]", "out[0]", "params.alpha"); the runtime turns
+    this into its own typed errors (``InvalidProgram`` / ``InvalidArgument``).
+    """
+
+    def __init__(self, where: str, expected: str, got: Any):
+        self.where = where
+        self.expected = expected
+        self.got = got
+        super().__init__(f"{where}: expected {expected}, got {got!r}")
+
+
+@dataclass(frozen=True)
+class Param:
+    """A scalar setting of a kernel (under ``params`` in a program step)."""
+
+    kind: type  # float or int
+    default: Any = None  # None: required
+    minimum: float | None = None
+    maximum: float | None = None
+    doc: str = ""
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Grid, block and dynamic shared memory of one launch, plus the trailing scalar arguments
+    as ``(value, ctypes type)`` pairs."""
+
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    shared_mem: int = 0
+    scalars: tuple[tuple[Any, type], ...] = ()
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One kernel of the library.
+
+    - ``infer(in_shapes, params)`` returns the shape each output must have (``None`` where any
+      shape is allowed, as for ``fill``) or raises ``KernelSpecError``.
+    - ``configure(in_shapes, out_shapes, params)`` returns the ``LaunchConfig``.
+    - ``host(ins, outs, params)`` is the numpy twin: it writes every element of ``outs``.
+    - ``reference(ins, params)`` computes the outputs in float64 from float64 inputs.
+    """
+
+    name: str
+    n_in: int
+    n_out: int
+    source: str
+    entry: str
+    infer: Callable[[Sequence[Shape], Mapping[str, Any]], list[Shape | None]]
+    configure: Callable[[Sequence[Shape], Sequence[Shape], Mapping[str, Any]], LaunchConfig]
+    host: Callable[[Sequence[np.ndarray], Sequence[np.ndarray], Mapping[str, Any]], None]
+    reference: Callable[[Sequence[np.ndarray], Mapping[str, Any]], list[np.ndarray]]
+    params: Mapping[str, Param] = field(default_factory=dict)
+    dtypes: tuple[str, ...] = ("float32",)
+    in_programs: bool = True  # False for kernels that need a host-side object (latch)
+    doc: str = ""
+
+    def resolve_params(self, given: Mapping[str, Any] | None) -> dict[str, Any]:
+        """Validate ``given`` against the declared params and fill in defaults."""
+        given = dict(given or {})
+        out: dict[str, Any] = {}
+        for key in given:
+            if key not in self.params:
+                known = ", ".join(sorted(self.params)) or "none"
+                raise KernelSpecError(f"params.{key}", f"one of the params of {self.name} "
+                                      f"({known})", key)
+        for key, p in self.params.items():
+            if key not in given:
+                if p.default is None:
+                    raise KernelSpecError(f"params.{key}", f"a {p.kind.__name__} (required by "
+                                          f"{self.name})", None)
+                out[key] = p.default
+                continue
+            value = given[key]
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if p.kind is int:
+                ok = ok and float(value).is_integer()
+            if not ok or not np.isfinite(value):
+                raise KernelSpecError(f"params.{key}", f"a finite {p.kind.__name__}", value)
+            value = p.kind(value)
+            if (p.minimum is not None and value < p.minimum) or (
+                p.maximum is not None and value > p.maximum
+            ):
+                raise KernelSpecError(
+                    f"params.{key}", f"a value in [{p.minimum}, {p.maximum}]", value)
+            out[key] = value
+        return out
+
+
+# ctypes aliases the specs use for their scalar arguments
+c_int = ctypes.c_int
+c_longlong = ctypes.c_longlong
+c_ulonglong = ctypes.c_ulonglong
+c_float = ctypes.c_float

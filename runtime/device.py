@@ -1,0 +1,433 @@
+"""The Device contract and ``get_device``.
+
+A Device is an abstract class of a few primitives (``_new_stream``, ``_record``, ``_alloc``,
+``_launch``, ...) that the ``cuda`` and ``host`` backends fill in. This base class owns every
+check and every error message, so the backends stay small and behave alike on bad input.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from streamlane.kernels import KernelSpec, KernelSpecError, LaunchConfig, get_kernel
+from streamlane.kernels import UnknownKernel
+
+from .errors import InvalidArgument
+from .event import Event
+from .memory import Buffer, DeviceArray
+from .stream import FOREIGN, LEGACY, OWNED, Stream
+
+__all__ = ["Device", "DeviceStats", "Latch", "PreparedLaunch", "get_device"]
+
+MAX_ALLOCATION = 1 << 40  # 1 TiB: anything larger is a mistake, not a request
+
+
+@dataclass
+class DeviceStats:
+    """Counters for tests and benchmarks: host waits (event/stream/device synchronizations),
+    allocations and frees of device memory."""
+
+    host_waits: int = 0
+    allocations: int = 0
+    frees: int = 0
+
+    def snapshot(self) -> DeviceStats:
+        return DeviceStats(self.host_waits, self.allocations, self.frees)
+
+
+@dataclass(frozen=True)
+class PreparedLaunch:
+    """A kernel launch validated once (kernel, shapes, params): ``run`` then only enqueues."""
+
+    device: Device
+    spec: KernelSpec
+    config: LaunchConfig
+    params: Mapping[str, Any]
+    function: Any  # the backend's loaded kernel
+
+    def run(self, stream: Stream, ins: Sequence[DeviceArray], outs: Sequence[DeviceArray]) -> None:
+        self.device._launch(self, stream._usable(), ins, outs)
+
+
+class Device(ABC):
+    """One device: its streams, events, memory and kernels. Get one with ``get_device``."""
+
+    kind: str = ""
+
+    def __init__(self, index: int = 0):
+        self.index = index
+        self.name = f"{self.kind}:{index}"
+        self.stats = DeviceStats()
+        self._stats_lock = threading.Lock()
+        self._functions: dict[str, Any] = {}
+        self._functions_lock = threading.Lock()
+
+    # -- streams ----------------------------------------------------------------------------
+    @abstractmethod
+    def per_thread_stream(self) -> Stream:
+        """The calling thread's per-thread default stream (one per host thread)."""
+
+    @abstractmethod
+    def legacy_stream(self) -> Stream:
+        """The legacy default stream."""
+
+    def create_stream(self) -> Stream:
+        """A new stream owned by the caller: ``close()`` it (or use it as a context manager)."""
+        handle, impl = self._new_stream()
+        return Stream(self, OWNED, handle, impl)
+
+    def wrap_stream(self, obj: Any) -> Stream:
+        """Borrow the stream of any object exposing ``__cuda_stream__`` (torch, CuPy, cuda.core,
+        streamlane). The wrapper never destroys it."""
+        if isinstance(obj, Stream):
+            if obj.device is not self:
+                raise InvalidArgument(f"{obj!r} belongs to {obj.device.name}, not {self.name}")
+            return obj
+        proto = getattr(obj, "__cuda_stream__", None)
+        if proto is None:
+            raise InvalidArgument(f"{type(obj).__name__} has no __cuda_stream__; pass a Stream or "
+                                  f"an object implementing the CUDA stream protocol")
+        try:
+            value = proto() if callable(proto) else proto
+        except Exception as exc:
+            raise InvalidArgument(f"{type(obj).__name__}.__cuda_stream__() raised {exc!r}") from exc
+        if (not isinstance(value, tuple) or len(value) != 2
+                or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)):
+            raise InvalidArgument(f"{type(obj).__name__}.__cuda_stream__() must return a tuple "
+                                  f"(version, handle) of two ints, got {value!r}")
+        version, handle = value
+        if version != 0:
+            raise InvalidArgument(f"__cuda_stream__ protocol version {version} is not supported "
+                                  f"(only version 0)")
+        if handle < 0 or handle >= 1 << 64:
+            raise InvalidArgument(f"__cuda_stream__ returned an invalid handle {handle}")
+        if handle in (0, 1):
+            return self.legacy_stream()
+        if handle == 2:
+            return self.per_thread_stream()
+        impl = self._foreign_stream(handle)
+        return Stream(self, FOREIGN, handle, impl, keepalive=obj)
+
+    # -- events -----------------------------------------------------------------------------
+    def create_event(self, *, timing: bool = False) -> Event:
+        return Event(self, self._new_event(timing), timing)
+
+    def synchronize(self) -> None:
+        """Wait for all work on the device (a host wait; prefer waiting for one event)."""
+        self._count_wait()
+        self._device_synchronize()
+
+    # -- memory -----------------------------------------------------------------------------
+    def alloc(self, nbytes: int, stream: Stream | None = None) -> Buffer:
+        """``nbytes`` of device memory, stream-ordered on ``stream`` where supported."""
+        if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)):
+            raise InvalidArgument(f"allocation size must be an int, got {type(nbytes).__name__}")
+        nbytes = int(nbytes)
+        if nbytes <= 0 or nbytes > MAX_ALLOCATION:
+            raise InvalidArgument(f"allocation size must be in 1..{MAX_ALLOCATION} bytes, got "
+                                  f"{nbytes}")
+        ptr, impl = self._alloc(nbytes, None if stream is None else stream._usable())
+        with self._stats_lock:
+            self.stats.allocations += 1
+        return Buffer(self, ptr, nbytes, impl)
+
+    def empty(self, shape: Sequence[int], dtype: Any = "float32",
+              stream: Stream | None = None) -> DeviceArray:
+        """An uninitialized device array."""
+        shape = _check_shape(shape)
+        dt = _check_dtype(dtype)
+        return self.alloc(max(1, math.prod(shape) * dt.itemsize), stream).view(dt, shape)
+
+    def copy_from_host(self, dst: DeviceArray, src: np.ndarray, stream: Stream) -> None:
+        """Enqueue a copy of host ``src`` into ``dst`` (same dtype and shape). ``src`` may be
+        changed as soon as this returns."""
+        self._check_array(dst, "dst")
+        src = np.asarray(src)
+        if src.dtype != dst.dtype or src.shape != dst.shape:
+            raise InvalidArgument(f"copy_from_host: source {src.dtype}{list(src.shape)} does not "
+                                  f"match destination {dst.dtype}{list(dst.shape)}")
+        self._copy_h2d(dst, np.ascontiguousarray(src), stream._usable())
+
+    def copy_to_host(self, dst: np.ndarray, src: DeviceArray, stream: Stream) -> None:
+        """Enqueue a copy of ``src`` into host ``dst``; valid once ``stream`` has passed it."""
+        self._check_array(src, "src")
+        if (not isinstance(dst, np.ndarray) or dst.dtype != src.dtype or dst.shape != src.shape
+                or not dst.flags.c_contiguous or not dst.flags.writeable):
+            raise InvalidArgument(f"copy_to_host: destination must be a writable C-contiguous "
+                                  f"{src.dtype}{list(src.shape)} array")
+        self._copy_d2h(dst, src, stream._usable())
+
+    def copy(self, dst: DeviceArray, src: DeviceArray, stream: Stream) -> None:
+        """Enqueue a device-to-device copy (same byte size)."""
+        self._check_array(dst, "dst")
+        self._check_array(src, "src")
+        if dst.nbytes != src.nbytes:
+            raise InvalidArgument(f"copy: {src.nbytes} B into {dst.nbytes} B")
+        self._copy_d2d(dst, src, stream._usable())
+
+    def to_device(self, array: Any, stream: Stream) -> DeviceArray:
+        array = np.ascontiguousarray(array)
+        dst = self.empty(array.shape, array.dtype, stream)
+        self.copy_from_host(dst, array, stream)
+        return dst
+
+    def to_host(self, src: DeviceArray, stream: Stream) -> np.ndarray:
+        """Copy ``src`` to a new host array, waiting for ``stream`` (one host wait)."""
+        out = np.empty(src.shape, src.dtype)
+        self.copy_to_host(out, src, stream)
+        stream.record().synchronize()
+        return out
+
+    # -- kernels ----------------------------------------------------------------------------
+    def prepare(self, kernel: str, in_shapes: Sequence[Sequence[int]],
+                out_shapes: Sequence[Sequence[int]] | None = None,
+                params: Mapping[str, Any] | None = None, *, dtype: str = "float32",
+                extra: Mapping[str, Any] | None = None) -> PreparedLaunch:
+        """Validate a launch once; raises ``InvalidArgument`` saying what is wrong."""
+        try:
+            spec = get_kernel(kernel)
+        except UnknownKernel as exc:
+            raise InvalidArgument(str(exc.args[0] if exc.args else exc)) from None
+        if dtype not in spec.dtypes:
+            raise InvalidArgument(f"kernel {kernel!r} takes {'/'.join(spec.dtypes)}, got {dtype}")
+        ins = [_check_shape(s) for s in in_shapes]
+        try:
+            resolved = spec.resolve_params(params)
+            if len(ins) != spec.n_in:
+                raise KernelSpecError("in", f"{spec.n_in} inputs", len(ins))
+            inferred = spec.infer(ins, resolved)
+            outs = [_check_shape(s) for s in out_shapes] if out_shapes is not None else inferred
+            if len(outs) != spec.n_out or any(o is None for o in outs):
+                raise KernelSpecError("out", f"{spec.n_out} outputs with known shapes", outs)
+            for i, (want, got) in enumerate(zip(inferred, outs, strict=True)):
+                if want is not None and tuple(want) != tuple(got):
+                    raise KernelSpecError(f"out[{i}]", f"shape {list(want)}", list(got))
+            resolved.update(extra or {})
+            config = spec.configure(ins, outs, resolved)
+        except KernelSpecError as exc:
+            raise InvalidArgument(f"kernel {kernel!r}: {exc}") from None
+        return PreparedLaunch(self, spec, config, resolved, self._function(spec))
+
+    def launch(self, kernel: str, stream: Stream, ins: Sequence[DeviceArray],
+               outs: Sequence[DeviceArray], params: Mapping[str, Any] | None = None) -> None:
+        """Check and enqueue one kernel launch on ``stream``."""
+        for i, a in enumerate((*ins, *outs)):
+            self._check_array(a, f"argument {i} of {kernel}")
+        dtypes = {a.dtype.name for a in (*ins, *outs)}
+        if len(dtypes) > 1:
+            raise InvalidArgument(f"kernel {kernel!r}: arguments mix dtypes {sorted(dtypes)}")
+        prepared = self.prepare(kernel, [a.shape for a in ins], [a.shape for a in outs], params,
+                                dtype=dtypes.pop() if dtypes else "float32")
+        prepared.run(stream, ins, outs)
+
+    def enqueue_callable(self, stream: Stream, fn: Any, ins: Sequence[DeviceArray],
+                         outs: Sequence[DeviceArray]) -> None:
+        """Run a callable step in ``stream``'s order: ``fn(stream, ins, outs)``. On CUDA it is
+        called now and must enqueue its work on ``stream`` (arrays expose
+        ``__cuda_array_interface__``); on the host device it runs when the stream reaches it,
+        with numpy arrays."""
+        self._enqueue_callable(stream._usable(), stream, fn, ins, outs)
+
+    def _enqueue_callable(self, stream_impl: Any, stream: Stream, fn: Any,
+                          ins: Sequence[DeviceArray], outs: Sequence[DeviceArray]) -> None:
+        fn(stream, list(ins), list(outs))
+
+    def create_latch(self) -> Latch:
+        """A latch: ``hold(stream)`` blocks that stream on the device until ``release()``."""
+        return Latch(self)
+
+    def _function(self, spec: KernelSpec) -> Any:
+        fn = self._functions.get(spec.name)
+        if fn is None:
+            with self._functions_lock:
+                fn = self._functions.get(spec.name)
+                if fn is None:
+                    fn = self._functions[spec.name] = self._load_kernel(spec)
+        return fn
+
+    # -- shared checks ----------------------------------------------------------------------
+    def _check_array(self, a: Any, what: str) -> None:
+        if not isinstance(a, DeviceArray):
+            raise InvalidArgument(f"{what} must be a DeviceArray, got {type(a).__name__}")
+        if a.buffer.device is not self:
+            raise InvalidArgument(f"{what} lives on {a.buffer.device.name}, not {self.name}; "
+                                  f"copy it to {self.name} first")
+        if a.buffer.freed:
+            raise InvalidArgument(f"{what} refers to freed memory")
+
+    def _count_wait(self) -> None:
+        with self._stats_lock:
+            self.stats.host_waits += 1
+
+    def _free_quiet(self, ptr: int, impl: Any) -> None:
+        try:
+            self._free(ptr, impl, None)
+        except Exception:  # a finalizer must never raise (interpreter shutdown, dead context)
+            pass
+
+    def _free(self, ptr: int, impl: Any, stream_impl: Any) -> None:
+        with self._stats_lock:
+            self.stats.frees += 1
+        self._free_memory(ptr, impl, stream_impl)
+
+    def __repr__(self) -> str:
+        return f"<Device {self.name}>"
+
+    # -- primitives the backends fill in ---------------------------------------------------
+    @abstractmethod
+    def _new_stream(self) -> tuple[int, Any]: ...
+    @abstractmethod
+    def _destroy_stream(self, impl: Any) -> None: ...
+    @abstractmethod
+    def _foreign_stream(self, handle: int) -> Any: ...
+    @abstractmethod
+    def _stream_synchronize(self, impl: Any) -> None: ...
+    @abstractmethod
+    def _stream_wait(self, impl: Any, event: Event) -> None: ...
+    @abstractmethod
+    def _new_event(self, timing: bool) -> Any: ...
+    @abstractmethod
+    def _record(self, event: Event, stream_impl: Any) -> None: ...
+    @abstractmethod
+    def _event_query(self, event: Event) -> bool: ...
+    @abstractmethod
+    def _event_synchronize(self, event: Event) -> None: ...
+    @abstractmethod
+    def _elapsed_ms(self, start: Event, end: Event) -> float: ...
+    @abstractmethod
+    def _device_synchronize(self) -> None: ...
+    @abstractmethod
+    def _alloc(self, nbytes: int, stream_impl: Any) -> tuple[int, Any]: ...
+    @abstractmethod
+    def _free_memory(self, ptr: int, impl: Any, stream_impl: Any) -> None: ...
+    @abstractmethod
+    def _copy_h2d(self, dst: DeviceArray, src: np.ndarray, stream_impl: Any) -> None: ...
+    @abstractmethod
+    def _copy_d2h(self, dst: np.ndarray, src: DeviceArray, stream_impl: Any) -> None: ...
+    @abstractmethod
+    def _copy_d2d(self, dst: DeviceArray, src: DeviceArray, stream_impl: Any) -> None: ...
+    @abstractmethod
+    def _load_kernel(self, spec: KernelSpec) -> Any: ...
+    @abstractmethod
+    def _launch(self, prepared: PreparedLaunch, stream_impl: Any, ins: Sequence[DeviceArray],
+                outs: Sequence[DeviceArray]) -> None: ...
+    @abstractmethod
+    def _new_latch(self) -> tuple[dict[str, Any], Any]:
+        """Kernel params for the ``latch`` kernel and a backend object with ``release()``."""
+
+
+class Latch:
+    """Holds streams on the device until the host releases it (the ``latch`` kernel).
+
+    Use it as a context manager so a failing test never leaves a stream held:
+    ``with dev.create_latch() as latch: latch.hold(s); ...; latch.release()``.
+    """
+
+    def __init__(self, device: Device):
+        self.device = device
+        self._params, self._impl = device._new_latch()
+        self._prepared = device.prepare("latch", [], [], {k: v for k, v in self._params.items()
+                                                          if not k.startswith("_")},
+                                        extra={k: v for k, v in self._params.items()
+                                               if k.startswith("_")})
+        self.released = False
+
+    def hold(self, stream: Stream) -> None:
+        """Enqueue the latch on ``stream``: later work there waits until ``release()``."""
+        self._prepared.run(stream, (), ())
+
+    def release(self) -> None:
+        self.released = True
+        self._impl.release()
+
+    def __enter__(self) -> Latch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+# -- helpers ---------------------------------------------------------------------------------
+MAX_DIM = 1 << 31
+
+
+def _check_shape(shape: Any) -> tuple[int, ...]:
+    if isinstance(shape, (int, np.integer)):
+        shape = (shape,)
+    try:
+        dims = tuple(shape)
+    except TypeError:
+        raise InvalidArgument(f"a shape must be a sequence of ints, got {shape!r}") from None
+    for d in dims:
+        if isinstance(d, bool) or not isinstance(d, (int, np.integer)) or not 0 < d < MAX_DIM:
+            raise InvalidArgument(f"shape {list(dims)}: every dimension must be an int in "
+                                  f"1..{MAX_DIM - 1}, got {d!r}")
+    dims = tuple(int(d) for d in dims)
+    if math.prod(dims) > MAX_ALLOCATION:
+        raise InvalidArgument(f"shape {list(dims)} has more than {MAX_ALLOCATION} elements")
+    return dims
+
+
+def _check_dtype(dtype: Any) -> np.dtype:
+    try:
+        return np.dtype(dtype)
+    except TypeError:
+        raise InvalidArgument(f"unknown dtype {dtype!r}") from None
+
+
+# -- selection -------------------------------------------------------------------------------
+_devices: dict[str, Device] = {}
+_devices_lock = threading.Lock()
+BACKENDS = ("auto", "host", "cuda", "cuda:N")
+
+
+def get_device(name: str | None = None) -> Device:
+    """The device named ``"auto" | "host" | "cuda" | "cuda:N"`` (default: env
+    ``STREAMLANE_DEVICE``, else ``"auto"``). ``auto`` picks cuda when a GPU is usable, else host.
+    Forcing cuda without a usable GPU raises ``DeviceError`` saying why; never a fallback."""
+    if name is None or name == "auto":
+        name = os.environ.get("STREAMLANE_DEVICE") or "auto"
+    if not isinstance(name, str):
+        raise InvalidArgument(f"device name must be a str, got {type(name).__name__}")
+    key = name.strip().lower()
+    if key == "auto":
+        from . import cuda
+
+        key = "cuda:0" if cuda.usable() else "host:0"
+    elif key == "cuda":
+        key = "cuda:0"
+    elif key == "host":
+        key = "host:0"
+    kind, _, idx = key.partition(":")
+    if kind not in ("host", "cuda") or not idx.isdigit():
+        raise InvalidArgument(f"unknown device {name!r}; valid names: {', '.join(BACKENDS)}")
+    with _devices_lock:
+        dev = _devices.get(key)
+        if dev is None:
+            if kind == "host":
+                if idx != "0":
+                    raise InvalidArgument("the host device has only index 0")
+                from .host import HostDevice
+
+                dev = HostDevice()
+            else:
+                from .cuda import CudaDevice
+
+                dev = CudaDevice(int(idx))
+            _devices[key] = dev
+    return dev
+
+
+def _reset_device_cache_for_tests() -> None:
+    with _devices_lock:
+        _devices.clear()
+
+

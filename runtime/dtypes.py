@@ -1,0 +1,38 @@
+"""The dtypes streamlane understands, by name. bfloat16 is ml_dtypes' numpy-compatible bfloat16."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from .errors import InvalidArgument
+
+__all__ = ["DTYPES", "dtype_from_name", "dtype_name"]
+
+DTYPES: dict[str, np.dtype] = {
+    "float32": np.dtype(np.float32),
+    "float64": np.dtype(np.float64),
+    "float16": np.dtype(np.float16),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "int8": np.dtype(np.int8),
+    "int32": np.dtype(np.int32),
+    "int64": np.dtype(np.int64),
+    "uint8": np.dtype(np.uint8),
+    "bool": np.dtype(np.bool_),
+}
+_NAMES = {dt: name for name, dt in DTYPES.items()}
+
+
+def dtype_from_name(name: str) -> np.dtype:
+    try:
+        return DTYPES[name]
+    except (KeyError, TypeError):
+        raise InvalidArgument(f"unknown dtype {name!r}; known: {', '.join(DTYPES)}") from None
+
+
+def dtype_name(dtype: np.dtype) -> str:
+    """The streamlane name of ``dtype`` (native byte order), e.g. ``"bfloat16"``."""
+    name = _NAMES.get(np.dtype(dtype).newbyteorder("="))
+    if name is None:
+        raise InvalidArgument(f"dtype {dtype} is not supported; supported: {', '.join(DTYPES)}")
+    return name

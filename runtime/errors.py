@@ -1,0 +1,97 @@
+"""The error hierarchy of streamlane.
+
+Each error has one meaning, carries the structured fields that produced it and formats its own
+message: what was wrong, the value, and what to do. They are importable from
+``streamlane.runtime.errors`` by every layer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "DeviceError",
+    "InvalidArgument",
+    "InvalidInput",
+    "InvalidProgram",
+    "InvalidState",
+    "KernelCompileError",
+    "NotSupported",
+    "StreamClosed",
+    "StreamlaneError",
+]
+
+
+class StreamlaneError(Exception):
+    """Base class of every error streamlane raises on purpose."""
+
+
+class InvalidArgument(StreamlaneError, ValueError):
+    """A value passed to streamlane is of the wrong kind, type, dtype, shape or range."""
+
+
+class InvalidInput(InvalidArgument):
+    """An input passed to a method does not match its declaration.
+
+    Fields: ``method`` (name), ``index`` (input position), ``expected`` and ``got``.
+    """
+
+    def __init__(self, method: str, index: int | None, expected: str, got: Any, hint: str = ""):
+        self.method = method
+        self.index = index
+        self.expected = expected
+        self.got = got
+        where = f"method {method!r}" if index is None else f"input {index} of method {method!r}"
+        msg = f"{where}: expected {expected}, got {got}"
+        super().__init__(msg + (f"; {hint}" if hint else ""))
+
+
+class NotSupported(StreamlaneError):
+    """A request that streamlane refuses on purpose, with the alternative in the message."""
+
+
+class InvalidProgram(StreamlaneError):
+    """A program definition (file or builder) is invalid.
+
+    Fields: ``path`` (JSON path of the bad field, e.g. ``methods.forward.steps[2].in[0]``),
+    ``expected`` and ``got``.
+    """
+
+    def __init__(self, path: str, expected: str, got: Any = None):
+        self.path = path
+        self.expected = expected
+        self.got = got
+        msg = f"{path or '<manifest>'}: expected {expected}"
+        if got is not None:
+            text = repr(got)
+            msg += f", got {text if len(text) <= 80 else text[:77] + '...'}"
+        super().__init__(msg)
+
+
+class InvalidState(StreamlaneError):
+    """An operation was called in a state that does not allow it (the message says which call
+    makes it valid)."""
+
+
+class StreamClosed(InvalidState):
+    """Work was given to a stream that this program closed."""
+
+
+class DeviceError(StreamlaneError):
+    """The device (driver, NVRTC, or the host device's emulation) failed or is unusable.
+
+    ``code`` holds the driver's error name (``CUDA_ERROR_X``) where there is one.
+    """
+
+    def __init__(self, message: str, code: str | None = None):
+        self.code = code
+        super().__init__(f"{code}: {message}" if code else message)
+
+
+class KernelCompileError(DeviceError):
+    """NVRTC rejected a kernel source; ``log`` holds the compiler's log."""
+
+    def __init__(self, kernel: str, code: str, log: str):
+        self.kernel = kernel
+        self.log = log
+        super().__init__(f"compiling kernel {kernel!r} failed; NVRTC log:\n{log}", code)

@@ -1,0 +1,283 @@
+"""The host device: an emulated GPU for machines without one (CI, laptops).
+
+Each stream is a worker thread draining a FIFO; events are markers in those FIFOs; memory is host
+memory; kernels run their numpy twins. Every ordering rule holds exactly as on CUDA, so the same
+tests prove the same contract — and ``inject_delay`` makes a race reproducible by stalling one
+stream.
+
+Guarantees:
+- work enqueued on one stream runs in enqueue order, one item at a time;
+- a stream wait blocks only that stream's worker, never the thread that enqueued it;
+- a failing kernel makes the device's error sticky (as a CUDA context error is): later waits on
+  any stream raise ``DeviceError`` instead of hanging, and later kernels are skipped.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from streamlane.kernels import KernelSpec
+
+from .device import Device, PreparedLaunch
+from .errors import DeviceError, InvalidArgument
+from .event import Event
+from .memory import DeviceArray
+from .stream import LEGACY, PER_THREAD, Stream
+
+__all__ = ["HostDevice"]
+
+_POISON = 0xFF  # fresh memory reads as NaN in float32, so an unwritten output is visible
+
+
+class _Worker:
+    """One host stream: a daemon thread running queued callables in order."""
+
+    _ids = itertools.count(16)
+
+    def __init__(self, device: HostDevice, name: str):
+        self.id = next(self._ids)
+        self.device = device
+        self.queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name=f"streamlane-host-{name}",
+                                       daemon=True)
+        self.thread.start()
+
+    def put(self, item: Callable[[], None]) -> None:
+        self.queue.put(item)
+
+    def stop(self) -> None:
+        self.queue.put(None)
+
+    def _run(self) -> None:
+        device = self.device
+        while (item := self.queue.get()) is not None:
+            try:
+                item()
+            except BaseException as exc:  # the emulated device faults; it never dies silently
+                device._fault(exc)
+
+
+class _Marker:
+    """One record of a host event: set when its stream reaches it."""
+
+    __slots__ = ("done", "time_ns")
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.time_ns = 0
+
+    def reach(self) -> None:
+        self.time_ns = time.perf_counter_ns()
+        self.done.set()
+
+
+_COMPLETE = _Marker()
+_COMPLETE.reach()
+
+
+class _HostEvent:
+    __slots__ = ("marker",)
+
+    def __init__(self) -> None:
+        self.marker = _COMPLETE  # never recorded: complete, as in CUDA
+
+
+class _ThreadStream:
+    """Holder in a thread-local: when the thread ends, the holder dies and its worker stops."""
+
+    def __init__(self, stream: Stream, worker: _Worker):
+        self.stream = stream
+        weakref.finalize(self, worker.stop)
+
+
+class HostDevice(Device):
+    kind = "host"
+
+    def __init__(self) -> None:
+        super().__init__(0)
+        self._local = threading.local()
+        self._legacy_worker = _Worker(self, "legacy")
+        self._legacy = Stream(self, LEGACY, 0x1, self._legacy_worker)
+        self._workers: weakref.WeakValueDictionary[int, _Worker] = weakref.WeakValueDictionary()
+        self._error: DeviceError | None = None
+
+    # -- test hooks ---------------------------------------------------------------------------
+    def inject_delay(self, stream: Stream, seconds: float) -> None:
+        """Stall ``stream`` for ``seconds`` at this point of its queue (test hook)."""
+        stream._usable().put(lambda: time.sleep(seconds))
+
+    def inject_failure(self, stream: Stream, message: str = "injected failure") -> None:
+        """Make the device fault when ``stream`` reaches this point (test hook)."""
+
+        def fail() -> None:
+            raise RuntimeError(message)
+
+        stream._usable().put(fail)
+
+    def reset_error(self) -> None:
+        """Clear a sticky fault (tests only: a real CUDA context cannot be recovered)."""
+        self._error = None
+
+    # -- streams ------------------------------------------------------------------------------
+    def per_thread_stream(self) -> Stream:
+        holder = getattr(self._local, "holder", None)
+        if holder is None:
+            worker = _Worker(self, f"thread-{threading.get_ident()}")
+            stream = Stream(self, PER_THREAD, 0x2, worker, owner_thread=threading.get_ident())
+            holder = self._local.holder = _ThreadStream(stream, worker)
+        return holder.stream
+
+    def legacy_stream(self) -> Stream:
+        return self._legacy
+
+    def _new_stream(self) -> tuple[int, Any]:
+        worker = _Worker(self, "owned")
+        self._workers[worker.id] = worker
+        return worker.id, worker
+
+    def _destroy_stream(self, impl: _Worker) -> None:
+        impl.stop()
+
+    def _foreign_stream(self, handle: int) -> Any:
+        worker = self._workers.get(handle)
+        if worker is None:
+            raise InvalidArgument(f"stream handle {handle:#x} names no stream of the host device")
+        return worker
+
+    def _stream_synchronize(self, impl: _Worker) -> None:
+        marker = _Marker()
+        impl.put(marker.reach)
+        self._count_wait()
+        self._wait_marker(marker)
+
+    def _stream_wait(self, impl: _Worker, event: Event) -> None:
+        marker = event._impl.marker  # the latest record at the time of the call, as in CUDA
+        if marker is not _COMPLETE:
+            impl.put(marker.done.wait)
+
+    # -- events -------------------------------------------------------------------------------
+    def _new_event(self, timing: bool) -> Any:
+        return _HostEvent()
+
+    def _record(self, event: Event, stream_impl: _Worker) -> None:
+        marker = _Marker()
+        event._impl.marker = marker
+        event.recorded = True
+        stream_impl.put(marker.reach)
+
+    def _event_query(self, event: Event) -> bool:
+        self._raise_if_faulted()
+        return event._impl.marker.done.is_set()
+
+    def _event_synchronize(self, event: Event) -> None:
+        self._count_wait()
+        self._wait_marker(event._impl.marker)
+
+    def _elapsed_ms(self, start: Event, end: Event) -> float:
+        a, b = start._impl.marker, end._impl.marker
+        if not (a.done.is_set() and b.done.is_set()):
+            raise InvalidArgument("elapsed_ms: both events must have completed; synchronize the "
+                                  "end event first")
+        return (b.time_ns - a.time_ns) / 1e6
+
+    def _device_synchronize(self) -> None:
+        workers = [self._legacy_worker, *self._workers.values()]
+        holder = getattr(self._local, "holder", None)
+        if holder is not None:
+            workers.append(holder.stream._impl)
+        markers = []
+        for w in workers:
+            m = _Marker()
+            w.put(m.reach)
+            markers.append(m)
+        for m in markers:
+            self._wait_marker(m)
+
+    def _wait_marker(self, marker: _Marker) -> None:
+        while not marker.done.wait(0.05):
+            self._raise_if_faulted()
+        self._raise_if_faulted()
+
+    def _fault(self, exc: BaseException) -> None:
+        if self._error is None:
+            self._error = DeviceError(f"host device fault: {exc!r}; the device is unusable "
+                                      f"until the process restarts", "HOST_DEVICE_FAULT")
+
+    def _raise_if_faulted(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    # -- memory -------------------------------------------------------------------------------
+    def _alloc(self, nbytes: int, stream_impl: Any) -> tuple[int, Any]:
+        storage = np.full(nbytes, _POISON, np.uint8)
+        return storage.ctypes.data, storage
+
+    def _free_memory(self, ptr: int, impl: Any, stream_impl: Any) -> None:
+        pass  # the storage goes with the last reference to it (queued work holds views)
+
+    @staticmethod
+    def view(array: DeviceArray) -> np.ndarray:
+        """The numpy view of a host-device array (for host kernels and tests)."""
+        raw = array.buffer._impl[array.offset:array.offset + array.nbytes]
+        return raw.view(array.dtype).reshape(array.shape)
+
+    def _copy_h2d(self, dst: DeviceArray, src: np.ndarray, stream_impl: _Worker) -> None:
+        snapshot = src.copy()  # pageable-copy semantics: the source is free once we return
+        view = self.view(dst)
+        stream_impl.put(lambda: np.copyto(view, snapshot))
+
+    def _copy_d2h(self, dst: np.ndarray, src: DeviceArray, stream_impl: _Worker) -> None:
+        view = self.view(src)
+        stream_impl.put(lambda: np.copyto(dst, view))
+
+    def _copy_d2d(self, dst: DeviceArray, src: DeviceArray, stream_impl: _Worker) -> None:
+        d = dst.buffer._impl[dst.offset:dst.offset + dst.nbytes]
+        s = src.buffer._impl[src.offset:src.offset + src.nbytes]
+        stream_impl.put(lambda: np.copyto(d, s))
+
+    # -- kernels ------------------------------------------------------------------------------
+    def _load_kernel(self, spec: KernelSpec) -> Any:
+        return spec.host
+
+    def _launch(self, prepared: PreparedLaunch, stream_impl: _Worker,
+                ins: Sequence[DeviceArray], outs: Sequence[DeviceArray]) -> None:
+        fn, params = prepared.function, prepared.params
+        in_views = [self.view(a) for a in ins]
+        out_views = [self.view(a) for a in outs]
+
+        def run() -> None:
+            if self._error is None:  # a faulted device runs no more kernels
+                fn(in_views, out_views, params)
+
+        stream_impl.put(run)
+
+    def _enqueue_callable(self, stream_impl: _Worker, stream: Stream, fn: Any,
+                          ins: Sequence[DeviceArray], outs: Sequence[DeviceArray]) -> None:
+        in_views = [self.view(a) for a in ins]
+        out_views = [self.view(a) for a in outs]
+
+        def run() -> None:
+            if self._error is None:
+                fn(stream, in_views, out_views)
+
+        stream_impl.put(run)
+
+    def _new_latch(self) -> tuple[dict[str, Any], Any]:
+        release = threading.Event()
+
+        class _Release:
+            def release(self) -> None:
+                release.set()
+
+        return {"flag_ptr": 0, "_release": release}, _Release()
+
+
+DEVICE_CLASS = HostDevice

@@ -1,0 +1,219 @@
+"""Streams and the thread-local caller-stream selection (ordering rules 1-3).
+
+A ``Stream`` is one ordered queue of device work. Its kind says who owns it:
+
+- ``per-thread``: the calling thread's per-thread default stream (``CU_STREAM_PER_THREAD``);
+  bound to that thread — only that thread may enqueue on it, since the same handle means another
+  stream on any other thread.
+- ``legacy``: the legacy default stream, selected explicitly (``CallerStream(None)``).
+- ``owned``: created by ``Device.create_stream()``; ``close()`` destroys it, once.
+- ``foreign``: borrowed from another library through ``__cuda_stream__``; never destroyed by us.
+
+Guarantees: every operation on a stream checks, before touching the device, that the stream is
+open, that it belongs to the device of the event or buffer it is given, and (per-thread streams)
+that it is used from its own thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+from .errors import InvalidArgument, InvalidState, StreamClosed
+
+if TYPE_CHECKING:
+    from .device import Device
+    from .event import Event
+
+__all__ = ["CallerStream", "Stream", "current_stream"]
+
+PER_THREAD = "per-thread"
+LEGACY = "legacy"
+OWNED = "owned"
+FOREIGN = "foreign"
+
+
+class Stream:
+    """A device stream. Obtain one from a ``Device`` (``create_stream()``, ``per_thread_stream()``,
+    ``legacy_stream()``, ``wrap_stream(obj)``), never by calling this class."""
+
+    __slots__ = ("__weakref__", "_closed", "_finalizer", "_impl", "_keepalive", "device",
+                 "handle", "key", "kind", "owner_thread")
+
+    def __init__(self, device: Device, kind: str, handle: int, impl: Any,
+                 owner_thread: int | None = None, keepalive: Any = None):
+        self.device = device
+        self.kind = kind
+        self.handle = handle
+        self.owner_thread = owner_thread
+        self._impl = impl
+        self._keepalive = keepalive  # the foreign object we borrow from, kept alive while used
+        self._closed = False
+        # Identity of the device queue: the per-thread handle means a different stream on every
+        # thread, so the owning thread is part of the key.
+        self.key = (device.name, kind if kind == PER_THREAD else "stream", handle, owner_thread)
+        self._finalizer = (weakref.finalize(self, device._destroy_stream, impl)
+                           if kind == OWNED else None)
+
+    # -- checks shared by every operation ---------------------------------------------------
+    def _usable(self) -> Any:
+        if self._closed:
+            raise StreamClosed(f"{self!r} is closed; create a new stream with "
+                               f"device.create_stream()")
+        if self.owner_thread is not None and self.owner_thread != threading.get_ident():
+            raise InvalidState(
+                f"{self!r} is the per-thread stream of another thread; on this thread the same "
+                f"handle names a different stream. Share a created stream "
+                f"(device.create_stream()) between threads instead")
+        return self._impl
+
+    # -- operations ---------------------------------------------------------------------------
+    def record(self, event: Event | None = None) -> Event:
+        """Record ``event`` (or a new one) at the current end of this stream and return it."""
+        impl = self._usable()
+        if event is None:
+            event = self.device.create_event()
+        elif event.device is not self.device:
+            raise InvalidArgument(f"{event!r} belongs to {event.device.name}, this stream to "
+                                  f"{self.device.name}; record an event of the stream's device")
+        self.device._record(event, impl)
+        return event
+
+    def wait(self, event: Event) -> None:
+        """Make later work on this stream wait, on the device, until ``event`` has completed.
+        No host round trip."""
+        impl = self._usable()
+        if event.device is not self.device:
+            raise InvalidArgument(f"{event!r} belongs to {event.device.name} but this stream to "
+                                  f"{self.device.name}; a stream can only wait on events of its "
+                                  f"own device (synchronize the other event from the host)")
+        self.device._stream_wait(impl, event)
+
+    def synchronize(self) -> None:
+        """Block the calling thread until all work queued so far on this stream is done."""
+        self.device._stream_synchronize(self._usable())
+
+    def close(self) -> None:
+        """Destroy an owned stream (after its queued work). Safe to call twice; borrowed,
+        per-thread and legacy streams are only marked closed for this wrapper."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._finalizer is not None:
+            self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        """The CUDA stream protocol: (version 0, handle)."""
+        self._usable()
+        return (0, self.handle)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Stream) and other.key == self.key
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    def __repr__(self) -> str:
+        state = " closed" if self._closed else ""
+        owner = f" thread={self.owner_thread}" if self.owner_thread is not None else ""
+        return f"<Stream {self.kind} {self.device.name} handle={self.handle:#x}{owner}{state}>"
+
+
+# -- caller stream selection (rule 2) ---------------------------------------------------------
+
+class _Legacy:
+    def __repr__(self) -> str:
+        return "LEGACY_DEFAULT_STREAM"
+
+
+_LEGACY = _Legacy()
+_selection = threading.local()
+
+
+def _stack() -> list[Any]:
+    try:
+        return _selection.stack
+    except AttributeError:
+        _selection.stack = []
+        return _selection.stack
+
+
+class CallerStream:
+    """Select the stream that executes on this thread use, for the extent of a ``with`` block.
+
+    ``CallerStream(s)`` with a streamlane ``Stream`` or any object exposing ``__cuda_stream__``
+    selects that stream; ``CallerStream(None)`` explicitly selects the legacy default stream,
+    which is distinct from having no guard (the per-thread default stream). Guards nest and are
+    thread-local: a guard on one thread is invisible to every other thread.
+    """
+
+    __slots__ = ("_depth", "stream")
+
+    def __init__(self, stream: Any):
+        if stream is not None and not isinstance(stream, Stream) and not hasattr(
+                stream, "__cuda_stream__"):
+            raise InvalidArgument(
+                f"CallerStream expects a streamlane Stream, an object with __cuda_stream__, or "
+                f"None (legacy default stream); got {type(stream).__name__}")
+        self.stream = _LEGACY if stream is None else stream
+        self._depth = -1
+
+    def __enter__(self) -> CallerStream:
+        stack = _stack()
+        stack.append(self.stream)
+        self._depth = len(stack)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        stack = _stack()
+        if len(stack) != self._depth:
+            raise InvalidState("CallerStream guards must be exited in reverse order of entry on "
+                               "the thread that entered them")
+        stack.pop()
+
+
+def selected_stream() -> Any:
+    """The innermost caller stream selected on this thread: a Stream, a foreign object, the legacy
+    marker, or None when no guard is active."""
+    stack = getattr(_selection, "stack", None)
+    return stack[-1] if stack else None
+
+
+def current_stream(device: Device) -> Stream:
+    """The stream an execute on this thread would use on ``device`` (rule 2)."""
+    sel = selected_stream()
+    if sel is None:
+        return device.per_thread_stream()
+    if sel is _LEGACY:
+        return device.legacy_stream()
+    if isinstance(sel, Stream):
+        if sel.device is not device:
+            raise InvalidArgument(f"the caller stream {sel!r} belongs to {sel.device.name}, but "
+                                  f"the work runs on {device.name}; select a stream of "
+                                  f"{device.name}")
+        return sel
+    return device.wrap_stream(sel)
+
+
+@contextmanager
+def no_caller_stream() -> Iterator[None]:
+    """Hide any caller stream for the extent of the block (used by lanes)."""
+    saved = getattr(_selection, "stack", None)
+    _selection.stack = []
+    try:
+        yield
+    finally:
+        _selection.stack = saved if saved is not None else []
