@@ -1,0 +1,379 @@
+"""Methods: a program method bound to a device, with its buffers, input slots, outputs and the
+input/output state machine (seed 004) and ordering rules 1, 4, 5 and 6.
+
+Guarantees:
+- every step of one ``execute()`` runs on one stream, the one ``current_stream`` resolves on the
+  calling thread (rule 1); no step owns a stream;
+- an execute that resolves to another stream than the method's previous execute first makes that
+  stream wait, on the device, for the previous execute (rule 4);
+- ``execute()`` never waits on the host (rule 6);
+- two threads executing one method at the same time get ``InvalidState``, never unordered work.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .dtypes import DTYPES
+from .errors import InvalidArgument, InvalidInput, InvalidState, NotSupported
+from .memory import Buffer, DeviceArray
+from .result import PooledBuffer, Result
+from .stream import current_stream
+
+if TYPE_CHECKING:
+    from .device import Device
+    from .event import Event
+    from .program import MethodDef, Program
+    from .stream import Stream
+
+__all__ = ["Method"]
+
+OPTIONS = {"clone_outputs": True, "use_shared_stream": False}
+
+# Test-only switch: give every step a private stream with nothing ordering them (the bug of
+# seed 000). Never part of the public API; tests flip it to prove the determinism test has teeth.
+_PRIVATE_STREAM_PER_STEP = False
+
+
+class _Foreign:
+    """An input borrowed from another library (``__cuda_array_interface__``)."""
+
+    __slots__ = ("array", "obj", "stream_handle")
+
+    def __init__(self, array: DeviceArray, obj: Any, stream_handle: int | None):
+        self.array = array
+        self.obj = obj
+        self.stream_handle = stream_handle
+
+
+class Method:
+    """A program method bound to a device. Get one from ``Program.method(name, device=...)``.
+
+    ``m(values)`` is ``set_inputs(values); execute(); return get_outputs()``.
+    """
+
+    def __init__(self, program: Program, mdef: MethodDef, device: Device,
+                 options: dict[str, Any]):
+        self.program = program
+        self.definition = mdef
+        self.device = device
+        self.name = f"{program.name}.{mdef.name}"
+        self.options = _check_options(options, self.name)
+        self.clone_outputs: bool = self.options["clone_outputs"]
+        self._guard = threading.Lock()
+        self._inputs: list[Any] | None = None  # host arrays, Results or _Foreign
+        self._inputs_valid = False
+        self._outputs: list[Result] | None = None
+        self.last_event: Event | None = None
+        self._last_stream_key: Any = None
+        self.executions = 0
+
+        # Planned memory, allocated once: constants, internal buffers, input slots, outputs.
+        stream = current_stream(device)
+        self._env: dict[str, DeviceArray] = {}
+        for name, value in program.constants.items():
+            self._env[name] = device.to_device(value, stream)
+        for t in mdef.buffers:
+            self._env[t.name] = device.empty(t.shape, DTYPES[t.dtype], stream)
+        self._input_decls = mdef.inputs
+        self._slots: list[DeviceArray | None] = [None] * len(mdef.inputs)
+        self._pools: list[list[PooledBuffer]] = [[] for _ in mdef.outputs]
+        self._views = [device.empty(t.shape, DTYPES[t.dtype], stream) for t in mdef.outputs] \
+            if not self.clone_outputs else []
+        self._steps = [self._plan_step(s) for s in mdef.steps]
+        self._private_streams: list[Stream] = []
+        if program.constants:
+            self.last_event = stream.record()  # the constants' upload orders the first execute
+            self._last_stream_key = stream.key
+
+    # -- inputs ---------------------------------------------------------------------------
+    def set_inputs(self, values: Sequence[Any]) -> None:
+        """Check and install the inputs (numpy arrays in any layout, Results, objects with
+        ``__cuda_array_interface__`` or DLPack, Python numbers for scalar inputs).
+
+        A wrong count raises and leaves the previous inputs intact; any other bad input raises
+        and makes ``execute()`` refuse until every input is passed again."""
+        with self._exclusive("set_inputs"):
+            if not isinstance(values, (list, tuple)):
+                raise InvalidInput(self.name, None, "a list of inputs",
+                                   type(values).__name__)
+            if len(values) != len(self._input_decls):
+                raise InvalidInput(self.name, None, f"{len(self._input_decls)} inputs",
+                                   len(values))
+            self._inputs_valid = False
+            self._outputs = None  # an output may share memory with an input
+            accepted = [self._accept(i, v) for i, v in enumerate(values)]
+            self._inputs = accepted
+            self._inputs_valid = True
+
+    def _accept(self, index: int, value: Any) -> Any:
+        decl = self._input_decls[index]
+        want = DTYPES[decl.dtype]
+        expected = f"{decl.dtype}{list(decl.shape)}"
+        if isinstance(value, Result):
+            if value.device is not self.device:
+                raise InvalidInput(self.name, index, f"a Result on {self.device.name}",
+                                   f"a Result on {value.device.name}",
+                                   "copy it with Result.from_host(result.to_host(), device)")
+            self._check_meta(index, value.dtype, value.shape, want, decl.shape, expected)
+            return value
+        if isinstance(value, (bool, int, float, np.number, np.bool_)) and not isinstance(
+                value, np.ndarray):
+            return self._scalar(index, value, decl, want)
+        cai = getattr(value, "__cuda_array_interface__", None)
+        if cai is not None and self.device.kind == "cuda":
+            return self._accept_cai(index, value, cai, want, decl.shape, expected)
+        if isinstance(value, np.ndarray) or hasattr(value, "__array_interface__") or \
+                hasattr(value, "__array__"):
+            array = np.asarray(value)
+        elif hasattr(value, "__dlpack__"):
+            try:
+                array = np.from_dlpack(value)
+            except Exception as exc:
+                raise InvalidInput(self.name, index, f"{expected} readable on the host or a "
+                                   f"Result", type(value).__name__, str(exc)) from None
+        else:
+            raise InvalidInput(self.name, index, f"{expected} (numpy array, Result, DLPack or "
+                               f"__cuda_array_interface__ object)", type(value).__name__)
+        self._check_meta(index, array.dtype, array.shape, want, decl.shape, expected)
+        return np.ascontiguousarray(array)  # another layout is copied into the exported one
+
+    def _scalar(self, index: int, value: Any, decl: Any, want: np.dtype) -> np.ndarray:
+        if decl.shape != ():
+            raise InvalidInput(self.name, index, f"{decl.dtype}{list(decl.shape)}",
+                               f"a Python number {value!r}")
+        kind = want.kind
+        ok = (kind == "b" and isinstance(value, (bool, np.bool_))) or \
+             (kind in "iu" and isinstance(value, (int, np.integer))
+              and not isinstance(value, (bool, np.bool_))) or \
+             (kind in "fV" and isinstance(value, (int, float, np.integer, np.floating))
+              and not isinstance(value, (bool, np.bool_)))
+        if not ok:
+            raise InvalidInput(self.name, index, f"a {decl.dtype} scalar",
+                               f"{type(value).__name__} {value!r}")
+        try:
+            return np.asarray(value, dtype=want)
+        except (OverflowError, ValueError) as exc:
+            raise InvalidInput(self.name, index, f"a {decl.dtype} scalar", value,
+                               str(exc)) from None
+
+    def _check_meta(self, index: int, dtype: np.dtype, shape: tuple[int, ...], want: np.dtype,
+                    want_shape: tuple[int, ...], expected: str) -> None:
+        if dtype != want:
+            raise InvalidInput(self.name, index, expected, f"dtype {dtype}",
+                               f"convert it with .astype({want.name!r}) first")
+        if tuple(shape) != tuple(want_shape):
+            raise InvalidInput(self.name, index, expected, f"shape {list(shape)}")
+
+    def _accept_cai(self, index: int, obj: Any, cai: dict, want: np.dtype,
+                    shape: tuple[int, ...], expected: str) -> Any:
+        try:
+            dtype = np.dtype(cai["typestr"])
+            got_shape = tuple(int(d) for d in cai["shape"])
+            ptr = int(cai["data"][0])
+        except Exception as exc:
+            raise InvalidInput(self.name, index, expected, "a malformed "
+                               "__cuda_array_interface__", str(exc)) from None
+        if dtype.kind == "V" and want.itemsize == dtype.itemsize:
+            dtype = want  # bfloat16 arrives as raw bytes (typestr "<V2")
+        self._check_meta(index, dtype, got_shape, want, shape, expected)
+        strides = cai.get("strides")
+        if strides is not None and tuple(strides) != _contiguous_strides(got_shape, dtype):
+            raise InvalidInput(self.name, index, f"{expected} in C-contiguous layout",
+                               f"strides {tuple(strides)}",
+                               "call .contiguous() (torch) or cupy.ascontiguousarray() first")
+        nbytes = max(1, int(np.prod(got_shape)) * dtype.itemsize)
+        borrowed = Buffer.__new__(Buffer)  # a view of foreign memory: never freed by us
+        borrowed.device, borrowed.ptr, borrowed.nbytes, borrowed._impl = \
+            self.device, ptr, nbytes, None
+        borrowed._finalizer = _NoFinalizer()
+        return _Foreign(DeviceArray(borrowed, want, got_shape), obj, cai.get("stream"))
+
+    # -- execution -----------------------------------------------------------------------
+    def execute(self) -> None:
+        """Enqueue every step on this thread's resolved stream. Never waits on the host."""
+        with self._exclusive("execute"):
+            if self._inputs is None or not self._inputs_valid:
+                raise InvalidState(
+                    f"{self.name}: execute() needs inputs; call set_inputs() with all "
+                    f"{len(self._input_decls)} inputs first"
+                    + (" (the last set_inputs() failed)" if self._inputs is not None else ""))
+            device = self.device
+            stream = current_stream(device)
+            key = stream.key
+            if self.last_event is not None and self._last_stream_key != key:
+                stream.wait(self.last_event)  # rule 4: hand the method over in device order
+            env = dict(self._env)
+            readers: list[Result] = []
+            for i, value in enumerate(self._inputs):
+                name = self._input_decls[i].name
+                if isinstance(value, Result):
+                    value.wait_on(stream)
+                    env[name] = value.array
+                    if value._holder is not None and value.stream_key != key:
+                        readers.append(value)
+                elif isinstance(value, _Foreign):
+                    if value.stream_handle:  # the producer's stream (CAI v3): order after it
+                        stream.wait(device.wrap_stream(_Handle(value.stream_handle)).record())
+                    env[name] = value.array
+                else:
+                    slot = self._slots[i]
+                    if slot is None:
+                        slot = self._slots[i] = device.empty(value.shape, value.dtype, stream)
+                    device.copy_from_host(slot, value, stream)
+                    env[name] = slot
+            outputs = self._take_outputs(stream)
+            for t, (array, _) in zip(self.definition.outputs, outputs, strict=True):
+                env[t.name] = array
+            for index, (run, ins, outs) in enumerate(self._steps):
+                step_stream = self._private_stream(index) if _PRIVATE_STREAM_PER_STEP else stream
+                run(step_stream, [env[n] for n in ins], [env[n] for n in outs])
+            event = stream.record()
+            for r in readers:
+                r._holder.pooled.add_reader(key, event)
+            self.last_event = event
+            self._last_stream_key = key
+            self.executions += 1
+            self._outputs = [
+                Result._pooled(pooled, event, key) if pooled is not None
+                else Result(array, event, key, view_only=True)
+                for array, pooled in outputs]
+
+    def get_outputs(self) -> list[Result]:
+        """The outputs of the last execute (Results; no copy, no host wait)."""
+        if self._outputs is None:
+            raise InvalidState(f"{self.name}: no outputs to get; call execute() after "
+                               f"set_inputs() first")
+        return list(self._outputs)
+
+    def __call__(self, values: Sequence[Any]) -> list[Result]:
+        self.set_inputs(values)
+        self.execute()
+        return self.get_outputs()
+
+    # -- internals ------------------------------------------------------------------------
+    def _take_outputs(self, stream: Stream) -> list[tuple[DeviceArray, PooledBuffer | None]]:
+        """For each output, a buffer no live Result holds (two take turns; a third is allocated
+        only while both are held)."""
+        if not self.clone_outputs:
+            return [(v, None) for v in self._views]
+        taken = []
+        for t, pool in zip(self.definition.outputs, self._pools, strict=True):
+            pooled = next((p for p in pool if not p.held), None)
+            if pooled is None:
+                pooled = PooledBuffer(self.device.empty(t.shape, DTYPES[t.dtype], stream))
+                pool.append(pooled)
+            elif len(pool) > 2:
+                self._trim(pool, pooled, stream)
+            pooled.prepare_write(stream)
+            taken.append((pooled.array, pooled))
+        return taken
+
+    @staticmethod
+    def _trim(pool: list[PooledBuffer], keep: PooledBuffer, stream: Stream) -> None:
+        """Shrink back to two buffers once extra ones are free again (stream-ordered free)."""
+        for p in [p for p in pool if not p.held and p is not keep][: len(pool) - 2]:
+            p.prepare_write(stream)
+            pool.remove(p)
+            p.array.buffer.free(stream)
+
+    def _plan_step(self, step: Any) -> tuple[Any, tuple[str, ...], tuple[str, ...]]:
+        tensors = {t.name: t for t in (*self.definition.inputs, *self.definition.buffers,
+                                       *self.definition.outputs)}
+        shape = {n: (tensors[n].shape if n in tensors else self.program.constants[n].shape)
+                 for n in (*step.ins, *step.outs)}
+        if step.kind == "kernel":
+            prepared = self.device.prepare(step.target, [shape[n] for n in step.ins],
+                                           [shape[n] for n in step.outs], step.params)
+            return prepared.run, step.ins, step.outs
+        fn = self.program.callables[step.target]
+        device = self.device
+
+        def run_callable(stream: Stream, ins: list[DeviceArray], outs: list[DeviceArray]) -> None:
+            device.enqueue_callable(stream, fn, ins, outs)
+
+        return run_callable, step.ins, step.outs
+
+    def _private_stream(self, index: int) -> Stream:
+        """Test-only: the step's own stream, ordered with nothing (the bug rule 1 forbids)."""
+        if not self._private_streams:
+            self._private_streams = [self.device.create_stream() for _ in self._steps]
+        return self._private_streams[index]
+
+    def _exclusive(self, what: str) -> _Exclusive:
+        return _Exclusive(self, what)
+
+    def __repr__(self) -> str:
+        state = ("outputs ready" if self._outputs is not None else
+                 "inputs set" if self._inputs_valid else "no inputs")
+        return f"<Method {self.name} on {self.device.name}, {state}>"
+
+
+class _Exclusive:
+    """Refuse a second thread instead of running unordered (rule 4)."""
+
+    __slots__ = ("method", "what")
+
+    def __init__(self, method: Method, what: str):
+        self.method = method
+        self.what = what
+
+    def __enter__(self) -> None:
+        if not self.method._guard.acquire(blocking=False):
+            raise InvalidState(
+                f"{self.method.name}: {self.what}() called while another thread is using this "
+                f"method; drive one method from one thread at a time (hold a lock around "
+                f"set_inputs/execute/get_outputs, or give each thread its own method)")
+
+    def __exit__(self, *exc: object) -> None:
+        self.method._guard.release()
+
+
+class _NoFinalizer:
+    alive = True
+
+    def detach(self) -> None:
+        pass
+
+
+class _Handle:
+    """A bare stream handle presented through the stream protocol."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle: int):
+        self.handle = handle
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.handle)
+
+
+def _contiguous_strides(shape: tuple[int, ...], dtype: np.dtype) -> tuple[int, ...]:
+    strides, acc = [], dtype.itemsize
+    for d in reversed(shape):
+        strides.append(acc)
+        acc *= d
+    return tuple(reversed(strides))
+
+
+def _check_options(options: dict[str, Any], name: str) -> dict[str, Any]:
+    out = dict(OPTIONS)
+    for key, value in options.items():
+        if key not in OPTIONS:
+            raise InvalidArgument(f"{name}: unknown option {key!r}; options: "
+                                  f"{', '.join(OPTIONS)}")
+        if not isinstance(value, bool):
+            raise InvalidArgument(f"{name}: option {key!r} must be a bool, got "
+                                  f"{type(value).__name__} {value!r}")
+        out[key] = value
+    if out["use_shared_stream"]:
+        raise NotSupported(
+            f"{name}: use_shared_stream=True is not supported: every execute runs on the calling "
+            f"thread's stream, so a shared stream would not order work across threads. Run "
+            f"dependent programs on one lane (thread), pass a caller stream with "
+            f"CallerStream(stream), or order them with Scheduler.submit(..., after=[job])")
+    return out

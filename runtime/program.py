@@ -1,0 +1,562 @@
+"""Programs: immutable, validated definitions of named methods (format 1 on disk, or built in
+Python). Files are untrusted: everything is validated before anything is allocated, and every
+problem raises ``InvalidProgram`` naming the JSON path of the bad field."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import re
+import zipfile
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from streamlane.kernels import KernelSpecError, UnknownKernel, get_kernel
+
+from .dtypes import DTYPES, dtype_name
+from .errors import InvalidProgram, NotSupported
+
+if TYPE_CHECKING:
+    from .device import Device
+    from .method import Method
+
+__all__ = ["MethodDef", "Program", "ProgramBuilder", "StepDef", "TensorDecl"]
+
+FORMAT = 1
+MAX_TENSOR_BYTES = 4 << 30  # one tensor
+MAX_METHOD_BYTES = 16 << 30  # all planned memory of one method
+MAX_MANIFEST_BYTES = 16 << 20
+MAX_CONSTANTS_BYTES = 8 << 30
+MAX_DIM = (1 << 31) - 1
+MAX_RANK = 8
+MAX_DEVICE_INDEX = 1024
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]{0,127}$")
+StepFn = Callable[..., None]
+
+
+@dataclass(frozen=True)
+class TensorDecl:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPES[self.dtype].itemsize
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+
+
+@dataclass(frozen=True)
+class StepDef:
+    """One step: a ``kernel`` of the library, or a ``callable`` (user code handed the resolved
+    stream and the step's device arrays)."""
+
+    kind: str  # "kernel" | "callable"
+    target: str  # kernel name or callable name
+    ins: tuple[str, ...]
+    outs: tuple[str, ...]
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {self.kind: self.target, "in": list(self.ins), "out": list(self.outs)}
+        if self.params:
+            d["params"] = dict(self.params)
+        return d
+
+
+@dataclass(frozen=True)
+class MethodDef:
+    name: str
+    inputs: tuple[TensorDecl, ...]
+    buffers: tuple[TensorDecl, ...]
+    steps: tuple[StepDef, ...]
+    outputs: tuple[TensorDecl, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"inputs": [t.to_json() for t in self.inputs],
+                "buffers": [t.to_json() for t in self.buffers],
+                "steps": [s.to_json() for s in self.steps],
+                "outputs": [t.to_json() for t in self.outputs]}
+
+
+class Program:
+    """A validated program. Load one with ``Program.load(path)`` or build one with
+    ``Program.build(name)``; bind a method to a device with ``program.method(name, device=...)``.
+    """
+
+    def __init__(self, name: str, methods: Mapping[str, MethodDef],
+                 constants: Mapping[str, np.ndarray], callables: Mapping[str, StepFn],
+                 device_index: int | None = None, constants_file: str | None = None):
+        self.name = name
+        self.methods = MappingProxyType(dict(methods))
+        self.constants = MappingProxyType(dict(constants))
+        self.callables = MappingProxyType(dict(callables))
+        self.device_index = device_index
+        self.constants_file = constants_file
+
+    # -- construction ---------------------------------------------------------------------
+    @classmethod
+    def load(cls, path: str | Path) -> Program:
+        """Read a format-1 program: the JSON manifest at ``path`` and its sibling ``.npz``."""
+        path = Path(path)
+        try:
+            raw = path.read_bytes()
+        except OSError as exc:
+            raise InvalidProgram("", f"a readable manifest file at {path}", str(exc)) from None
+        if len(raw) > MAX_MANIFEST_BYTES:
+            raise InvalidProgram("", f"a manifest of at most {MAX_MANIFEST_BYTES} bytes",
+                                 len(raw))
+        try:
+            doc = json.loads(raw, parse_constant=_reject_constant)
+        except (ValueError, RecursionError) as exc:
+            raise InvalidProgram("", "well-formed JSON", str(exc)) from None
+        constants: dict[str, np.ndarray] = {}
+        if isinstance(doc, dict) and isinstance(doc.get("constants"), str):
+            constants = _read_npz(path.parent, doc["constants"])
+        return cls.from_manifest(doc, constants)
+
+    @classmethod
+    def from_manifest(cls, doc: Any, constants: Mapping[str, np.ndarray] | None = None,
+                      callables: Mapping[str, StepFn] | None = None) -> Program:
+        """Validate a manifest (already parsed) with its constants and callables."""
+        return _Validator(doc, dict(constants or {}), dict(callables or {})).program()
+
+    @staticmethod
+    def build(name: str, constants: Mapping[str, Any] | None = None) -> ProgramBuilder:
+        """Start building a program in Python (see ``ProgramBuilder``)."""
+        return ProgramBuilder(name, constants)
+
+    # -- persistence ------------------------------------------------------------------------
+    def to_manifest(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {"format": FORMAT, "name": self.name}
+        if self.device_index is not None:
+            doc["device_index"] = self.device_index
+        if self.constants:
+            doc["constants"] = self.constants_file or f"{self.name}.npz"
+            doc["constant_tensors"] = [
+                {"name": k, "dtype": dtype_name(v.dtype), "shape": list(v.shape)}
+                for k, v in self.constants.items()]
+        doc["methods"] = {k: m.to_json() for k, m in self.methods.items()}
+        return doc
+
+    def save(self, path: str | Path) -> None:
+        """Write the manifest to ``path`` and the constants to its sibling ``.npz``."""
+        if self.callables:
+            raise NotSupported(f"program {self.name!r} has callable steps "
+                               f"({', '.join(self.callables)}), which are Python code; format 1 "
+                               f"stores kernel steps only. Keep callable programs in Python")
+        path = Path(path)
+        doc = self.to_manifest()
+        if self.constants:
+            doc["constants"] = path.with_suffix(".npz").name
+            np.savez(path.with_suffix(".npz"), **{k: _npz_safe(v)
+                                                 for k, v in self.constants.items()})
+        path.write_text(json.dumps(doc, indent=1) + "\n")
+
+    # -- binding --------------------------------------------------------------------------
+    def method(self, name: str, device: Device | str | None = None, **options: Any) -> Method:
+        """Bind method ``name`` to ``device`` (a Device or a name for ``get_device``)."""
+        from .device import Device, get_device
+        from .errors import InvalidArgument
+        from .method import Method
+
+        if name not in self.methods:
+            raise InvalidArgument(f"program {self.name!r} has no method {name!r}; methods: "
+                                  f"{', '.join(self.methods)}")
+        if not isinstance(device, Device):
+            device = get_device(device)
+        return Method(self, self.methods[name], device, options)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Program):
+            return NotImplemented
+        return (self.to_manifest() == other.to_manifest()
+                and self.constants.keys() == other.constants.keys()
+                and all(np.array_equal(v, other.constants[k]) and v.dtype == other.constants[k].dtype
+                        for k, v in self.constants.items())
+                and dict(self.callables) == dict(other.callables))
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"<Program {self.name!r} methods={list(self.methods)}>"
+
+
+# -- the builder ----------------------------------------------------------------------------
+
+class ProgramBuilder:
+    """Build a program in Python; ``finish()`` validates it exactly as a file is validated.
+
+    A two-layer MLP::
+
+        b = Program.build("mlp", constants={"w1": w1, "w2": w2})
+        m = b.method("forward", x=("float32", [8, 256]))
+        h = m.step("relu", m.step("matmul", "x", "w1"))
+        m.output(m.step("matmul", h, "w2", out="y"))
+        mlp = b.finish()
+    """
+
+    def __init__(self, name: str, constants: Mapping[str, Any] | None = None):
+        self.name = name
+        self._constants = {k: np.asarray(v) for k, v in (constants or {}).items()}
+        self._methods: dict[str, MethodBuilder] = {}
+        self._callables: dict[str, StepFn] = {}
+
+    def constant(self, name: str, value: Any) -> str:
+        self._constants[name] = np.asarray(value)
+        return name
+
+    def method(self, name: str, **inputs: tuple[str, Sequence[int]]) -> MethodBuilder:
+        """Start method ``name`` with inputs given as ``name=(dtype, shape)``, in order."""
+        mb = self._methods[name] = MethodBuilder(self, name, inputs)
+        return mb
+
+    def finish(self) -> Program:
+        doc = {"format": FORMAT, "name": self.name,
+               "methods": {k: m._json() for k, m in self._methods.items()}}
+        if self._constants:
+            doc["constants"] = f"{self.name}.npz"
+        return Program.from_manifest(doc, self._constants, self._callables)
+
+
+class MethodBuilder:
+    def __init__(self, parent: ProgramBuilder, name: str,
+                 inputs: Mapping[str, tuple[str, Sequence[int]]]):
+        self._parent = parent
+        self.name = name
+        self._inputs = [{"name": k, "dtype": d, "shape": list(s)} for k, (d, s) in inputs.items()]
+        self._buffers: list[dict[str, Any]] = []
+        self._steps: list[dict[str, Any]] = []
+        self._outputs: list[str] = []
+        self._shapes = {k: (d, tuple(s)) for k, (d, s) in inputs.items()}
+        self._shapes.update({k: (dtype_name(v.dtype), v.shape)
+                             for k, v in parent._constants.items()})
+
+    def step(self, kernel: str, *ins: str, out: str | None = None, **params: Any) -> str:
+        """Append a kernel step; its single output buffer is declared with the shape the kernel
+        infers. Returns the output's name (``out`` or a fresh one)."""
+        spec = get_kernel(kernel)
+        try:
+            shapes = spec.infer([self._shapes[i][1] for i in ins], spec.resolve_params(params))
+        except (KernelSpecError, KeyError) as exc:
+            raise InvalidProgram(f"methods.{self.name}.steps[{len(self._steps)}]",
+                                 "inputs that exist and fit the kernel", str(exc)) from None
+        outs = []
+        for k, shape in enumerate(shapes):
+            name = out if (out is not None and k == 0) else f"t{len(self._steps)}_{k}"
+            dtype = self._shapes[ins[0]][0] if ins else "float32"
+            self._declare(name, dtype, shape)
+            outs.append(name)
+        d = {"kernel": kernel, "in": list(ins), "out": outs}
+        if params:
+            d["params"] = params
+        self._steps.append(d)
+        return outs[0] if outs else ""
+
+    def call(self, fn: StepFn, ins: Sequence[str],
+             outs: Sequence[tuple[str, str, Sequence[int]]], name: str | None = None) -> None:
+        """Append a callable step: ``fn(stream, ins, outs)`` enqueues its work on ``stream``
+        (device arrays in, device arrays out)."""
+        name = name or getattr(fn, "__name__", "callable")
+        base, n = name, 1
+        while name in self._parent._callables and self._parent._callables[name] is not fn:
+            name, n = f"{base}_{n}", n + 1
+        self._parent._callables[name] = fn
+        for oname, dtype, shape in outs:
+            self._declare(oname, dtype, tuple(shape))
+        self._steps.append({"callable": name, "in": list(ins), "out": [o[0] for o in outs]})
+
+    def output(self, *names: str) -> None:
+        self._outputs.extend(names)
+
+    def _declare(self, name: str, dtype: str, shape: Sequence[int]) -> None:
+        if name not in self._shapes:
+            self._buffers.append({"name": name, "dtype": dtype, "shape": list(shape)})
+            self._shapes[name] = (dtype, tuple(shape))
+
+    def _json(self) -> dict[str, Any]:
+        outs = [b for b in self._buffers if b["name"] in self._outputs]
+        order = {n: i for i, n in enumerate(self._outputs)}
+        outs.sort(key=lambda b: order[b["name"]])
+        missing = [n for n in self._outputs if n not in {b["name"] for b in outs}]
+        outs += [{"name": n, "dtype": "float32", "shape": [1]} for n in missing]  # validator
+        return {"inputs": self._inputs,
+                "buffers": [b for b in self._buffers if b["name"] not in self._outputs],
+                "steps": self._steps, "outputs": outs}
+
+
+# -- validation ------------------------------------------------------------------------------
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _npz_safe(v: np.ndarray) -> np.ndarray:
+    """npz (without pickle) has no bfloat16: store its bits as uint16; the manifest's
+    ``constant_tensors`` keeps the real dtype."""
+    return v.view(np.uint16) if dtype_name(v.dtype) == "bfloat16" else v
+
+
+def _read_npz(folder: Path, name: str) -> dict[str, np.ndarray]:
+    if not _NAME.match(name) or "/" in name or "\\" in name or name.startswith("."):
+        raise InvalidProgram("constants", "a plain file name beside the manifest", name)
+    path = folder / name
+    try:
+        if path.stat().st_size > MAX_CONSTANTS_BYTES:
+            raise InvalidProgram("constants", f"at most {MAX_CONSTANTS_BYTES} bytes of constants",
+                                 path.stat().st_size)
+        with zipfile.ZipFile(path) as zf:
+            total = sum(i.file_size for i in zf.infolist())
+            if total > MAX_CONSTANTS_BYTES:
+                raise InvalidProgram("constants", "constants that fit the size limit", total)
+        with np.load(path, allow_pickle=False) as npz:
+            return {k: npz[k] for k in npz.files}
+    except InvalidProgram:
+        raise
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError, KeyError) as exc:
+        raise InvalidProgram("constants", f"a readable .npz file {name}", str(exc)) from None
+
+
+class _Validator:
+    def __init__(self, doc: Any, constants: dict[str, np.ndarray], callables: dict[str, StepFn]):
+        self.doc = doc
+        self.constants = constants
+        self.callables = callables
+
+    def program(self) -> Program:
+        doc = self._obj(self.doc, "", required=("format", "name", "methods"),
+                        optional=("constants", "constant_tensors", "device_index"))
+        fmt = doc["format"]
+        if not _is_int(fmt) or fmt != FORMAT:
+            raise InvalidProgram("format", f"format version {FORMAT}", fmt)
+        name = self._name(doc["name"], "name")
+        device_index = doc.get("device_index")
+        if device_index is not None and (not _is_int(device_index)
+                                         or not 0 <= device_index <= MAX_DEVICE_INDEX):
+            raise InvalidProgram("device_index", f"an int in 0..{MAX_DEVICE_INDEX}", device_index)
+        constants_file = doc.get("constants")
+        if constants_file is not None and not isinstance(constants_file, str):
+            raise InvalidProgram("constants", "the file name of the constants .npz",
+                                 constants_file)
+        consts = self._constants(doc.get("constant_tensors"))
+        methods = doc["methods"]
+        if not isinstance(methods, dict) or not methods:
+            raise InvalidProgram("methods", "a non-empty object of methods", methods)
+        defs = {}
+        for mname, mdoc in methods.items():
+            self._name(mname, f"methods.{mname}")
+            defs[mname] = self._method(mname, mdoc, consts)
+        used = {n for m in defs.values() for s in m.steps if s.kind == "callable"
+                for n in [s.target]}
+        callables = {k: v for k, v in self.callables.items() if k in used}
+        return Program(name, defs, consts, callables, device_index, constants_file)
+
+    # -- pieces -------------------------------------------------------------------------------
+    def _constants(self, decls: Any) -> dict[str, np.ndarray]:
+        consts: dict[str, np.ndarray] = {}
+        for k, v in self.constants.items():
+            where = f"constants[{k!r}]"
+            self._name(k, where)
+            if not isinstance(v, np.ndarray) or v.dtype.hasobject:
+                raise InvalidProgram(where, "a numeric array", type(v).__name__)
+            try:
+                dtype_name(v.dtype)
+            except Exception:
+                raise InvalidProgram(where, f"a dtype of {', '.join(DTYPES)}", str(v.dtype)) \
+                    from None
+            if v.ndim > MAX_RANK or v.size == 0 or v.nbytes > MAX_TENSOR_BYTES:
+                raise InvalidProgram(where, "a non-empty array within the size limits",
+                                     list(v.shape))
+            consts[k] = v
+        if decls is None:
+            return consts
+        if not isinstance(decls, list):
+            raise InvalidProgram("constant_tensors", "a list of tensor declarations", decls)
+        for i, d in enumerate(decls):
+            t = self._tensor(d, f"constant_tensors[{i}]")
+            have = consts.get(t.name)
+            if have is not None and t.dtype == "bfloat16" and have.dtype == np.uint16:
+                have = consts[t.name] = have.view(DTYPES["bfloat16"])
+            if have is None:
+                raise InvalidProgram(f"constant_tensors[{i}].name",
+                                     "a constant present in the constants .npz", t.name)
+            if dtype_name(have.dtype) != t.dtype or tuple(have.shape) != t.shape:
+                raise InvalidProgram(f"constant_tensors[{i}]",
+                                     f"{t.dtype}{list(t.shape)} as in the .npz",
+                                     f"{dtype_name(have.dtype)}{list(have.shape)}")
+        return consts
+
+    def _method(self, mname: str, mdoc: Any, consts: dict[str, np.ndarray]) -> MethodDef:
+        base = f"methods.{mname}"
+        m = self._obj(mdoc, base, required=("inputs", "steps", "outputs"),
+                      optional=("buffers",))
+        tensors: dict[str, tuple[str, tuple[int, ...], str]] = {
+            k: (dtype_name(v.dtype), tuple(v.shape), "constant") for k, v in consts.items()}
+        groups = {}
+        total = 0
+        for group in ("inputs", "buffers", "outputs"):
+            items = m.get(group, [])
+            if not isinstance(items, list):
+                raise InvalidProgram(f"{base}.{group}", "a list of tensor declarations", items)
+            decls = []
+            for i, d in enumerate(items):
+                where = f"{base}.{group}[{i}]"
+                t = self._tensor(d, where)
+                if t.name in tensors:
+                    raise InvalidProgram(f"{where}.name", "a name not already used by an input, "
+                                         "buffer, output or constant", t.name)
+                tensors[t.name] = (t.dtype, t.shape, group)
+                total += t.nbytes
+                decls.append(t)
+            groups[group] = tuple(decls)
+        if total > MAX_METHOD_BYTES:
+            raise InvalidProgram(base, f"at most {MAX_METHOD_BYTES} bytes of planned memory", total)
+        steps_doc = m["steps"]
+        if not isinstance(steps_doc, list) or not steps_doc:
+            raise InvalidProgram(f"{base}.steps", "a non-empty list of steps", steps_doc)
+        written = {k for k, v in tensors.items() if v[2] in ("constant", "inputs")}
+        steps = []
+        for i, sdoc in enumerate(steps_doc):
+            steps.append(self._step(f"{base}.steps[{i}]", sdoc, tensors, written))
+        for i, t in enumerate(groups["outputs"]):
+            if t.name not in written:
+                raise InvalidProgram(f"{base}.outputs[{i}].name",
+                                     "an output that some step writes", t.name)
+        return MethodDef(mname, groups["inputs"], groups["buffers"], tuple(steps),
+                         groups["outputs"])
+
+    def _step(self, where: str, sdoc: Any, tensors: dict, written: set[str]) -> StepDef:
+        s = self._obj(sdoc, where, required=("in", "out"),
+                      optional=("kernel", "callable", "params"))
+        kinds = [k for k in ("kernel", "callable") if k in s]
+        if len(kinds) != 1:
+            raise InvalidProgram(where, 'exactly one of "kernel" or "callable"', sorted(s))
+        kind = kinds[0]
+        target = s[kind]
+        ins, outs = s["in"], s["out"]
+        for key, names in (("in", ins), ("out", outs)):
+            if not isinstance(names, list):
+                raise InvalidProgram(f"{where}.{key}", "a list of tensor names", names)
+            for j, n in enumerate(names):
+                if not isinstance(n, str) or n not in tensors:
+                    raise InvalidProgram(f"{where}.{key}[{j}]", "the name of an input, buffer, "
+                                         "output or constant of this method", n)
+        for j, n in enumerate(ins):
+            if n not in written:
+                raise InvalidProgram(f"{where}.in[{j}]", "a tensor written by an earlier step "
+                                     "(or an input or constant)", n)
+        for j, n in enumerate(outs):
+            if tensors[n][2] in ("constant", "inputs"):
+                raise InvalidProgram(f"{where}.out[{j}]", "a buffer or output (inputs and "
+                                     "constants are read-only)", n)
+            if n in ins or outs.index(n) != j:
+                raise InvalidProgram(f"{where}.out[{j}]", "an output distinct from the step's "
+                                     "other inputs and outputs", n)
+        params = s.get("params", {})
+        if not isinstance(params, dict):
+            raise InvalidProgram(f"{where}.params", "an object of scalar params", params)
+        if kind == "callable":
+            if not isinstance(target, str) or target not in self.callables:
+                raise InvalidProgram(f"{where}.callable", "the name of a callable given to the "
+                                     "program (callables exist only in Python-built programs)",
+                                     target)
+            if params:
+                raise InvalidProgram(f"{where}.params", "no params for a callable step", params)
+        else:
+            self._kernel_step(where, target, ins, outs, params, tensors)
+        written.update(outs)
+        return StepDef(kind, target, tuple(ins), tuple(outs), MappingProxyType(dict(params)))
+
+    def _kernel_step(self, where: str, target: Any, ins: list[str], outs: list[str],
+                     params: dict, tensors: dict) -> None:
+        try:
+            spec = get_kernel(target) if isinstance(target, str) else None
+        except UnknownKernel:
+            spec = None
+        if spec is None or not spec.in_programs:
+            from streamlane.kernels import kernel_names
+
+            raise InvalidProgram(f"{where}.kernel", "a kernel of the library (" +
+                                 ", ".join(kernel_names(in_programs_only=True)) + ")", target)
+        if len(ins) != spec.n_in:
+            raise InvalidProgram(f"{where}.in", f"{spec.n_in} inputs for {spec.name}", len(ins))
+        if len(outs) != spec.n_out:
+            raise InvalidProgram(f"{where}.out", f"{spec.n_out} outputs for {spec.name}",
+                                 len(outs))
+        for key, names in (("in", ins), ("out", outs)):
+            for j, n in enumerate(names):
+                if tensors[n][0] not in spec.dtypes:
+                    raise InvalidProgram(f"{where}.{key}[{j}]", f"dtype {'/'.join(spec.dtypes)} "
+                                         f"for {spec.name}", f"{n}: {tensors[n][0]}")
+        try:
+            resolved = spec.resolve_params(params)
+            inferred = spec.infer([tensors[n][1] for n in ins], resolved)
+        except KernelSpecError as exc:
+            raise InvalidProgram(_join(where, exc.where), exc.expected, exc.got) from None
+        for j, (want, n) in enumerate(zip(inferred, outs, strict=True)):
+            if want is not None and tuple(want) != tensors[n][1]:
+                raise InvalidProgram(f"{where}.out[{j}]", f"a tensor of shape {list(want)} "
+                                     f"({spec.name} of its inputs)",
+                                     f"{n}: {list(tensors[n][1])}")
+
+    def _obj(self, value: Any, where: str, required: Sequence[str],
+             optional: Sequence[str]) -> dict:
+        if not isinstance(value, dict):
+            raise InvalidProgram(where, "an object", type(value).__name__)
+        for key in required:
+            if key not in value:
+                raise InvalidProgram(_join(where, key), "a value (required field)")
+        extra = set(value) - set(required) - set(optional)
+        if extra:
+            raise InvalidProgram(_join(where, sorted(extra)[0]),
+                                 f"one of the fields {', '.join((*required, *optional))}",
+                                 sorted(extra)[0])
+        return value
+
+    def _tensor(self, d: Any, where: str) -> TensorDecl:
+        d = self._obj(d, where, required=("name", "dtype", "shape"), optional=())
+        name = self._name(d["name"], f"{where}.name")
+        dtype = d["dtype"]
+        if not isinstance(dtype, str) or dtype not in DTYPES:
+            raise InvalidProgram(f"{where}.dtype", f"one of {', '.join(DTYPES)}", dtype)
+        shape = d["shape"]
+        if not isinstance(shape, list) or len(shape) > MAX_RANK:
+            raise InvalidProgram(f"{where}.shape", f"a list of at most {MAX_RANK} dimensions",
+                                 shape)
+        for j, dim in enumerate(shape):
+            if not _is_int(dim) or not 1 <= dim <= MAX_DIM:
+                raise InvalidProgram(f"{where}.shape[{j}]", f"an int in 1..{MAX_DIM}", dim)
+        t = TensorDecl(name, dtype, tuple(shape))
+        if t.nbytes > MAX_TENSOR_BYTES:
+            raise InvalidProgram(f"{where}.shape", f"at most {MAX_TENSOR_BYTES} bytes per tensor",
+                                 f"{t.nbytes} bytes")
+        return t
+
+    def _name(self, value: Any, where: str) -> str:
+        if not isinstance(value, str) or not _NAME.match(value):
+            raise InvalidProgram(where, "a name of letters, digits, '_', '.', '-' (at most 128, "
+                                 "not starting with a digit)", value)
+        return value
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _join(where: str, key: str) -> str:
+    return f"{where}.{key}" if where else key
+
+
+def manifest_bytes(program: Program) -> bytes:
+    """The manifest as saved (for tests and hashing)."""
+    buf = io.StringIO()
+    json.dump(program.to_manifest(), buf, indent=1)
+    return buf.getvalue().encode()

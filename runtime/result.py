@@ -1,0 +1,177 @@
+"""Results: outputs over device memory, returned without a copy (rules 6 and 8).
+
+A Result owns a *holder* of the buffer it views. While any Result or export (DLPack,
+``__cuda_array_interface__`` consumer) keeps the holder alive, the producing method writes its
+spare buffer instead; once the holder dies, the buffer returns to its pool.
+
+Guarantees:
+- ``to_host()`` is the one host wait, and waits only for the work that produced this result
+  (an event), never for the whole device;
+- a buffer read on another stream is rewritten only after that stream has passed the read
+  (an event recorded there, waited on by the writer's stream on the device);
+- a buffer handed to another library is rewritten only once the device work that library may
+  have queued on it is known finished.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .dtypes import dtype_name
+from .errors import InvalidArgument
+from .memory import DeviceArray
+from .stream import Stream, current_stream
+
+if TYPE_CHECKING:
+    from .device import Device
+    from .event import Event
+
+__all__ = ["PooledBuffer", "Result"]
+
+
+class PooledBuffer:
+    """One output buffer of a method, with what a writer must wait for before reusing it."""
+
+    __slots__ = ("__weakref__", "array", "exported", "export_streams", "held", "lock", "readers")
+
+    def __init__(self, array: DeviceArray):
+        self.array = array
+        self.held = False  # a live holder (Result or export) references it
+        self.readers: list[tuple[Any, Event]] = []  # (stream key, event after the read)
+        self.exported = False  # handed to another library since its last write
+        self.export_streams: list[Stream | None] = []  # consumers' streams, None: unknown
+        self.lock = threading.Lock()
+
+    def add_reader(self, stream_key: Any, event: Event) -> None:
+        with self.lock:
+            self.readers = [(k, e) for k, e in self.readers if k != stream_key]
+            self.readers.append((stream_key, event))
+
+    def prepare_write(self, stream: Stream) -> None:
+        """Order ``stream`` after every use of this buffer elsewhere (rule 8); called by the
+        writer just before it writes the buffer again."""
+        with self.lock:
+            readers, self.readers = self.readers, []
+            exported, self.exported = self.exported, False
+            consumers, self.export_streams = self.export_streams, []
+        for key, event in readers:
+            if key != stream.key:
+                stream.wait(event)
+        if exported:
+            device = stream.device
+            if consumers and all(c is not None for c in consumers):
+                for c in consumers:  # everything the consumer queued before it let go
+                    if c.key != stream.key:
+                        stream.wait(c.record())
+            else:  # a consumer on an unknown stream: only a device-wide wait is safe
+                device.synchronize()
+
+
+class _Holder:
+    """Kept alive by Results and exports; its death returns the buffer to the pool."""
+
+    __slots__ = ("__weakref__", "pooled")
+
+    def __init__(self, pooled: PooledBuffer):
+        self.pooled = pooled
+        pooled.held = True
+        weakref.finalize(self, _release, pooled)
+
+
+def _release(pooled: PooledBuffer) -> None:
+    pooled.held = False
+
+
+class Result:
+    """An output (or uploaded input) in device memory.
+
+    ``to_host()`` returns a numpy array (the one host sync); ``shape``, ``dtype``, ``dtype_name``
+    and ``device`` describe it; ``Result.from_host(array, device)`` uploads host data. Results
+    are accepted as inputs by any method, zero-copy."""
+
+    __slots__ = ("__weakref__", "_holder", "array", "event", "stream_key", "view_only")
+
+    def __init__(self, array: DeviceArray, event: Event | None, stream_key: Any,
+                 holder: _Holder | None = None, view_only: bool = False):
+        self.array = array
+        self.event = event
+        self.stream_key = stream_key
+        self._holder = holder
+        self.view_only = view_only
+
+    @classmethod
+    def _pooled(cls, pooled: PooledBuffer, event: Event, stream_key: Any) -> Result:
+        return cls(pooled.array, event, stream_key, _Holder(pooled))
+
+    # -- description ----------------------------------------------------------------------
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.array.shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.array.dtype
+
+    @property
+    def dtype_name(self) -> str:
+        return dtype_name(self.array.dtype)
+
+    @property
+    def device(self) -> Device:
+        return self.array.buffer.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.array.nbytes
+
+    def ready(self) -> bool:
+        """True when the work producing this result has finished (never blocks)."""
+        return self.event is None or self.event.query()
+
+    # -- data -----------------------------------------------------------------------------
+    def wait_on(self, stream: Stream) -> None:
+        """Make ``stream`` wait on the device until this result is ready."""
+        if self.event is not None and stream.key != self.stream_key:
+            stream.wait(self.event)
+
+    def to_host(self) -> np.ndarray:
+        """A numpy copy of the result. One host wait, for the work producing it only."""
+        device = self.device
+        stream = current_stream(device)
+        self.wait_on(stream)
+        out = np.empty(self.array.shape, self.array.dtype)
+        device.copy_to_host(out, self.array, stream)
+        stream.record().synchronize()
+        return out
+
+    @classmethod
+    def from_host(cls, array: Any, device: Device | str | None = None) -> Result:
+        """Upload ``array`` (numpy, anything numpy can read, or a Result) to ``device``, keeping
+        its dtype (bfloat16 included). The copy is ordered on this thread's current stream."""
+        from .device import Device, get_device
+
+        if not isinstance(device, Device):
+            device = get_device(device)
+        if isinstance(array, Result):
+            array = array.to_host()
+        host = np.ascontiguousarray(array)
+        if host.dtype.hasobject:
+            raise InvalidArgument(f"from_host: object arrays cannot go to a device ({host.dtype})")
+        dtype_name(host.dtype)  # raises InvalidArgument for an unsupported dtype
+        stream = current_stream(device)
+        dst = device.empty(host.shape if host.ndim else (), host.dtype, stream)
+        device.copy_from_host(dst, host, stream)
+        return cls(dst, stream.record(), stream.key)
+
+    def __repr__(self) -> str:
+        try:
+            state = "ready" if self.ready() else "pending"
+        except Exception:
+            state = "failed"
+        kind = " view" if self.view_only else ""
+        return (f"<Result {self.dtype_name}{list(self.shape)} on {self.device.name} "
+                f"{state}{kind}>")
