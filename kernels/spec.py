@@ -10,6 +10,7 @@ pointers, then the scalars that ``configure`` returns.
 from __future__ import annotations
 
 import ctypes
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -96,13 +97,21 @@ class KernelSpec:
                                           f"{self.name})", None)
                 out[key] = p.default
                 continue
-            value = given[key]
+            given_value = value = given[key]
             ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-            if p.kind is int:
-                ok = ok and float(value).is_integer()
-            if not ok or not np.isfinite(value):
-                raise KernelSpecError(f"params.{key}", f"a finite {p.kind.__name__}", value)
-            value = p.kind(value)
+            # math, not np.isfinite: numpy raises TypeError on ints beyond 64 bits (2**64),
+            # and float() overflows on huge ints; both are bad params, not crashes.
+            try:
+                if ok and isinstance(value, float):
+                    ok = math.isfinite(value) and (p.kind is not int or value.is_integer())
+                if ok:
+                    value = p.kind(value)
+                    ok = p.kind is not float or math.isfinite(value)
+            except OverflowError:
+                ok = False
+            if not ok:
+                raise KernelSpecError(f"params.{key}", f"a finite {p.kind.__name__}",
+                                      given_value)
             if (p.minimum is not None and value < p.minimum) or (
                 p.maximum is not None and value > p.maximum
             ):

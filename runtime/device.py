@@ -17,13 +17,12 @@ from typing import Any
 
 import numpy as np
 
-from streamlane.kernels import KernelSpec, KernelSpecError, LaunchConfig, get_kernel
-from streamlane.kernels import UnknownKernel
+from streamlane.kernels import KernelSpec, KernelSpecError, LaunchConfig, UnknownKernel, get_kernel
 
 from .errors import InvalidArgument
 from .event import Event
 from .memory import Buffer, DeviceArray
-from .stream import FOREIGN, LEGACY, OWNED, Stream
+from .stream import FOREIGN, OWNED, Stream
 
 __all__ = ["Device", "DeviceStats", "Latch", "PreparedLaunch", "get_device"]
 

@@ -18,6 +18,7 @@ DTYPES: dict[str, np.dtype] = {
     "int32": np.dtype(np.int32),
     "int64": np.dtype(np.int64),
     "uint8": np.dtype(np.uint8),
+    "uint16": np.dtype(np.uint16),
     "bool": np.dtype(np.bool_),
 }
 _NAMES = {dt: name for name, dt in DTYPES.items()}

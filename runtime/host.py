@@ -46,6 +46,7 @@ class _Worker:
         self.id = next(self._ids)
         self.device = device
         self.queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self.stopped = False
         self.thread = threading.Thread(target=self._run, name=f"streamlane-host-{name}",
                                        daemon=True)
         self.thread.start()
@@ -54,6 +55,8 @@ class _Worker:
         self.queue.put(item)
 
     def stop(self) -> None:
+        """Finish the queued work, then end the thread."""
+        self.stopped = True
         self.queue.put(None)
 
     def _run(self) -> None:
@@ -195,6 +198,8 @@ class HostDevice(Device):
             workers.append(holder.stream._impl)
         markers = []
         for w in workers:
+            if w.stopped:  # a closed stream: its remaining work is drained on its own
+                continue
             m = _Marker()
             w.put(m.reach)
             markers.append(m)

@@ -178,10 +178,13 @@ class Program:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Program):
             return NotImplemented
-        return (self.to_manifest() == other.to_manifest()
+        mine, theirs = self.to_manifest(), other.to_manifest()
+        mine.pop("constants", None)  # the file name is where it was saved, not what it is
+        theirs.pop("constants", None)
+        return (mine == theirs
                 and self.constants.keys() == other.constants.keys()
-                and all(np.array_equal(v, other.constants[k]) and v.dtype == other.constants[k].dtype
-                        for k, v in self.constants.items())
+                and all(v.dtype == other.constants[k].dtype and np.array_equal(
+                    v, other.constants[k]) for k, v in self.constants.items())
                 and dict(self.callables) == dict(other.callables))
 
     __hash__ = None  # type: ignore[assignment]

@@ -36,7 +36,7 @@ __all__ = ["PooledBuffer", "Result"]
 class PooledBuffer:
     """One output buffer of a method, with what a writer must wait for before reusing it."""
 
-    __slots__ = ("__weakref__", "array", "exported", "export_streams", "held", "lock", "readers")
+    __slots__ = ("__weakref__", "array", "export_streams", "exported", "held", "lock", "readers")
 
     def __init__(self, array: DeviceArray):
         self.array = array
@@ -167,6 +167,19 @@ class Result:
         device.copy_from_host(dst, host, stream)
         return cls(dst, stream.record(), stream.key)
 
+    # -- interop (zero-copy; see _dlpack and _cuda_array_interface below) -----------------
+    def __dlpack__(self, *, stream: Any = None, max_version: Any = None, dl_device: Any = None,
+                   copy: bool | None = None) -> Any:
+        return _dlpack(self, stream=stream, max_version=max_version, dl_device=dl_device,
+                       copy=copy)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return _dlpack_device(self)
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        return _cuda_array_interface(self)
+
     def __repr__(self) -> str:
         try:
             state = "ready" if self.ready() else "pending"
@@ -175,3 +188,93 @@ class Result:
         kind = " view" if self.view_only else ""
         return (f"<Result {self.dtype_name}{list(self.shape)} on {self.device.name} "
                 f"{state}{kind}>")
+
+
+# -- interop ---------------------------------------------------------------------------------
+
+def _dlpack_device(self: Result) -> tuple[int, int]:
+    from .dlpack import KDL_CPU, KDL_CUDA
+
+    dev = self.device
+    return (KDL_CUDA, dev.index) if dev.kind == "cuda" else (KDL_CPU, 0)
+
+
+def _dlpack(self: Result, *, stream: Any = None, max_version: Any = None,
+            dl_device: Any = None, copy: bool | None = None) -> Any:
+    """DLPack export, zero-copy. ``stream`` is the consumer's stream (DLPack protocol): it is
+    made to wait for this result on the device; ``-1`` means the consumer synchronizes itself.
+    The buffer is not rewritten until the consumer lets go of it and its queued work is done."""
+    if copy:
+        raise InvalidArgument("Result.__dlpack__(copy=True) is not supported; call to_host() "
+                              "for a copy")
+    if dl_device is not None and tuple(dl_device) != _dlpack_device(self):
+        raise InvalidArgument(f"Result on {self.device.name} cannot be exported to DLPack "
+                              f"device {tuple(dl_device)}; call to_host() first")
+    holder = self._holder if self._holder is not None else self
+    if self.device.kind != "cuda":
+        if self.event is not None:
+            self.event.synchronize()  # host consumers read at once
+        return _host_view(self, holder).__dlpack__()
+    from .dlpack import export_cuda
+
+    consumer = _consumer_stream(self, stream)
+    if self._holder is not None:
+        pooled = self._holder.pooled
+        with pooled.lock:
+            pooled.exported = True
+            pooled.export_streams.append(consumer)
+    return export_cuda(self.array.ptr, self.shape, self.dtype, self.device.index, holder)
+
+
+def _consumer_stream(self: Result, stream: Any) -> Stream | None:
+    """Order the consumer's stream after this result; return it (None: unknown)."""
+    if stream == -1 or self.event is None:
+        if stream == -1 and self.event is not None:
+            self.event.synchronize()
+        return None
+    if stream is None:
+        stream = 1  # DLPack: None means the legacy default stream on CUDA
+    if isinstance(stream, bool) or not isinstance(stream, int) or stream < 0:
+        raise InvalidArgument(f"__dlpack__(stream=...) takes a CUDA stream handle, got {stream!r}")
+    if stream == 0:
+        raise InvalidArgument("__dlpack__(stream=0) is ambiguous by the DLPack protocol; pass 1 "
+                              "(legacy) or 2 (per-thread)")
+    from .method import _Handle
+
+    consumer = self.device.wrap_stream(_Handle(stream))
+    self.wait_on(consumer)
+    return consumer
+
+
+def _cuda_array_interface(self: Result) -> dict[str, Any]:
+    """CUDA array interface v3 (CUDA results only). The data is ready when it is read (one host
+    wait if the producing work is still running), so ``stream`` is None."""
+    if self.device.kind != "cuda":
+        raise AttributeError("__cuda_array_interface__ exists only for results on a CUDA device")
+    if self.event is not None and not self.event.query():
+        self.event.synchronize()
+    if self._holder is not None:
+        pooled = self._holder.pooled
+        with pooled.lock:
+            pooled.exported = True
+            pooled.export_streams.append(None)
+    typestr = self.dtype.str if self.dtype_name != "bfloat16" else "<V2"
+    return {"shape": self.shape, "typestr": typestr, "data": (self.array.ptr, False),
+            "version": 3, "strides": None, "stream": None}
+
+
+class _Export:
+    """An ``__array_interface__`` carrier whose lifetime pins the result's holder."""
+
+    def __init__(self, array: np.ndarray, holder: Any):
+        self.__array_interface__ = array.__array_interface__
+        self._array = array
+        self._holder = holder
+
+
+def _host_view(self: Result, holder: Any) -> np.ndarray:
+    from .host import HostDevice
+
+    view = HostDevice.view(self.array)
+    return np.asarray(_Export(view, holder))
+

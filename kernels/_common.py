@@ -1,0 +1,151 @@
+"""Shape checks and launch arithmetic shared by the kernel modules.
+
+Every check raises ``KernelSpecError`` naming the offending part ("in[1]", "out[0]"), so the
+runtime can turn it into ``InvalidProgram`` / ``InvalidArgument`` with the JSON path.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from .spec import KernelSpecError, LaunchConfig, Shape, c_longlong
+
+# Kernels index with 64-bit integers; this bound keeps every product of an index and a stride
+# (at most numel) far from 2**63, so no CUDA index expression can overflow.
+MAX_NUMEL = 1 << 48
+
+# Elementwise launches: 256 threads per block and a grid-stride loop. The grid cap keeps the
+# grid inside every dimension limit (y/z are 65535) while still oversubscribing any GPU
+# (an H200 runs at most 132 SMs x 8 such blocks at once).
+BLOCK = 256
+MAX_GRID = 65535
+
+InferFn = Callable[[Sequence[Shape], Mapping[str, Any]], list[Shape | None]]
+LaunchFn = Callable[[list[Shape], list[Shape], Mapping[str, Any]], LaunchConfig]
+ConfigureFn = Callable[[Sequence[Shape], Sequence[Shape], Mapping[str, Any]], LaunchConfig]
+
+
+def shape_of(shape: Any, where: str) -> Shape:
+    """``shape`` as a tuple of ints, each >= 1, with at most ``MAX_NUMEL`` elements."""
+    if isinstance(shape, (str, bytes)) or not isinstance(shape, (Sequence, np.ndarray)):
+        raise KernelSpecError(where, "a shape (a sequence of ints)", shape)
+    dims = tuple(shape)
+    for d in dims:
+        if isinstance(d, (bool, np.bool_)) or not isinstance(d, (int, np.integer)) or d < 1:
+            raise KernelSpecError(where, "a shape whose dimensions are ints >= 1", dims)
+    dims = tuple(int(d) for d in dims)
+    if math.prod(dims) > MAX_NUMEL:
+        raise KernelSpecError(where, f"at most {MAX_NUMEL} elements", dims)
+    return dims
+
+
+def check_ins(name: str, in_shapes: Sequence[Any], n: int) -> list[Shape]:
+    """The input shapes, after checking there are ``n`` of them."""
+    if len(in_shapes) != n:
+        raise KernelSpecError("in", f"{n} input(s) for {name}", len(in_shapes))
+    return [shape_of(s, f"in[{i}]") for i, s in enumerate(in_shapes)]
+
+
+def check_outs(name: str, out_shapes: Sequence[Any], n: int) -> list[Shape]:
+    if len(out_shapes) != n:
+        raise KernelSpecError("out", f"{n} output(s) for {name}", len(out_shapes))
+    return [shape_of(s, f"out[{i}]") for i, s in enumerate(out_shapes)]
+
+
+def same_shapes(shapes: Sequence[Shape]) -> Shape:
+    """The common shape of ``shapes`` (inputs of an elementwise kernel)."""
+    for i, s in enumerate(shapes[1:], start=1):
+        if s != shapes[0]:
+            raise KernelSpecError(f"in[{i}]", f"shape {list(shapes[0])} (the shape of in[0])",
+                                  list(s))
+    return shapes[0]
+
+
+def min_rank(shape: Shape, rank: int, where: str) -> None:
+    if len(shape) < rank:
+        raise KernelSpecError(where, f"rank >= {rank}", list(shape))
+
+
+def checked_configure(name: str, infer: InferFn, launch: LaunchFn) -> ConfigureFn:
+    """A ``configure`` that re-checks the outputs against ``infer`` before ``launch``.
+
+    ``configure`` is the last step before arguments are marshalled, so a caller that skipped
+    ``infer`` must still never launch a kernel on buffers of the wrong size.
+    """
+
+    def configure(in_shapes: Sequence[Shape], out_shapes: Sequence[Shape],
+                  params: Mapping[str, Any]) -> LaunchConfig:
+        expected = infer(in_shapes, params)
+        outs = check_outs(name, out_shapes, len(expected))
+        for i, (want, got) in enumerate(zip(expected, outs, strict=True)):
+            if want is not None and want != got:
+                raise KernelSpecError(f"out[{i}]", f"shape {list(want)}", list(got))
+        ins = [shape_of(s, f"in[{i}]") for i, s in enumerate(in_shapes)]
+        return launch(ins, outs, params)
+
+    return configure
+
+
+def stride_launch(n: int, *scalars: tuple[Any, type]) -> LaunchConfig:
+    """A 1-D grid-stride launch over ``n`` elements; ``n`` is the first scalar (long long)."""
+    blocks = min(max(1, -(-n // BLOCK)), MAX_GRID)
+    return LaunchConfig(grid=(blocks, 1, 1), block=(BLOCK, 1, 1),
+                        scalars=((n, c_longlong), *scalars))
+
+
+def rows_cols(shape: Shape) -> tuple[int, int]:
+    """A tensor seen as rows over its last axis."""
+    return math.prod(shape[:-1]), shape[-1]
+
+
+def row_launch(shape: Shape) -> LaunchConfig:
+    """One block per row (grid-stride over rows past ``MAX_GRID``), scalars (rows, cols).
+
+    The block is a power of two between 32 and 256 threads: a whole number of warps (the block
+    reductions shuffle across full warps) and no more threads than a short row can use.
+    """
+    rows, cols = rows_cols(shape)
+    threads = min(256, max(32, 1 << (cols - 1).bit_length()))
+    return LaunchConfig(grid=(min(rows, MAX_GRID), 1, 1), block=(threads, 1, 1),
+                        scalars=((rows, c_longlong), (cols, c_longlong)))
+
+
+def f64(a: Any) -> np.ndarray:
+    return np.asarray(a, dtype=np.float64)
+
+
+# Block reductions for the row kernels, pasted into each source so every source stays
+# self-contained. Every thread of the block gets the result. The leading __syncthreads makes
+# back-to-back reductions safe: no warp overwrites scratch while another still reads it.
+BLOCK_REDUCE_CUDA = r"""
+__device__ __forceinline__ float sl_warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ float sl_warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+// blockDim.x must be a multiple of 32 (at most 1024); scratch holds 32 floats.
+__device__ float sl_block_sum(float v, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    v = sl_warp_sum(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    return sl_warp_sum(lane < warps ? scratch[lane] : 0.0f);
+}
+__device__ float sl_block_max(float v, float* scratch) {
+    const float neg_inf = __int_as_float(0xff800000);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    v = sl_warp_max(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    return sl_warp_max(lane < warps ? scratch[lane] : neg_inf);
+}
+"""

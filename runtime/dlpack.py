@@ -1,0 +1,107 @@
+"""DLPack export of device memory (the producer side of ``__dlpack__``).
+
+numpy exports host memory itself; CUDA memory needs a ``DLManagedTensor`` built here. The
+structures are plain data described with ctypes (no driver calls). Each export keeps its owner
+(the Result's holder) alive in ``_LIVE`` until the consumer calls the deleter, or until the
+capsule is dropped unconsumed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import threading
+from typing import Any
+
+import numpy as np
+
+from .dtypes import dtype_name
+from .errors import InvalidArgument
+
+__all__ = ["KDL_CPU", "KDL_CUDA", "export_cuda"]
+
+KDL_CPU = 1
+KDL_CUDA = 2
+_CODES = {"int8": (0, 8), "int32": (0, 32), "int64": (0, 64), "uint8": (1, 8), "uint16": (1, 16),
+          "float16": (2, 16), "float32": (2, 32), "float64": (2, 64), "bfloat16": (4, 16),
+          "bool": (6, 8)}
+
+
+class DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device", DLDevice), ("ndim", ctypes.c_int32),
+                ("dtype", DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
+                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
+
+
+class DLManagedTensor(ctypes.Structure):
+    pass
+
+
+_DELETER = ctypes.CFUNCTYPE(None, ctypes.POINTER(DLManagedTensor))
+DLManagedTensor._fields_ = [("dl_tensor", DLTensor), ("manager_ctx", ctypes.c_void_p),
+                            ("deleter", _DELETER)]
+
+_LIVE: dict[int, tuple[Any, ...]] = {}
+_LIVE_LOCK = threading.Lock()
+_KEYS = itertools.count(1)
+
+
+def _delete(managed: Any) -> None:
+    key = managed.contents.manager_ctx
+    with _LIVE_LOCK:
+        _LIVE.pop(key, None)
+
+
+_DELETE = _DELETER(_delete)
+_CAPSULE_DESTRUCTOR = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+_NAME = b"dltensor"
+_api = ctypes.pythonapi
+_api.PyCapsule_New.restype = ctypes.py_object
+_api.PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_char_p, _CAPSULE_DESTRUCTOR]
+_api.PyCapsule_IsValid.restype = ctypes.c_int
+_api.PyCapsule_IsValid.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+_api.PyCapsule_GetPointer.restype = ctypes.c_void_p
+_api.PyCapsule_GetPointer.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+
+
+def _capsule_gone(capsule: int) -> None:
+    # Unconsumed capsules still carry the name "dltensor": then the producer frees.
+    if _api.PyCapsule_IsValid(capsule, _NAME):
+        ptr = _api.PyCapsule_GetPointer(capsule, _NAME)
+        _delete(ctypes.cast(ptr, ctypes.POINTER(DLManagedTensor)))
+
+
+_DESTRUCTOR = _CAPSULE_DESTRUCTOR(_capsule_gone)
+
+
+def export_cuda(ptr: int, shape: tuple[int, ...], dtype: np.dtype, device_id: int,
+                owner: Any) -> Any:
+    """A ``dltensor`` capsule over CUDA memory at ``ptr``; ``owner`` lives until it is released."""
+    name = dtype_name(dtype)
+    if name not in _CODES:
+        raise InvalidArgument(f"dtype {name} has no DLPack code")
+    code, bits = _CODES[name]
+    key = next(_KEYS)
+    shape_arr = (ctypes.c_int64 * max(1, len(shape)))(*shape)
+    managed = DLManagedTensor()
+    managed.dl_tensor = DLTensor(ptr, DLDevice(KDL_CUDA, device_id), len(shape),
+                                 DLDataType(code, bits, 1), shape_arr, None, 0)
+    managed.manager_ctx = key
+    managed.deleter = _DELETE
+    with _LIVE_LOCK:
+        _LIVE[key] = (managed, shape_arr, owner)
+    return _api.PyCapsule_New(ctypes.addressof(managed), _NAME, _DESTRUCTOR)
+
+
+def live_exports() -> int:
+    """How many CUDA exports are still held by consumers (for leak tests)."""
+    with _LIVE_LOCK:
+        return len(_LIVE)

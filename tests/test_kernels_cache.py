@@ -1,0 +1,243 @@
+"""The cubin cache and NVRTC: DiskCache guarantees (no NVRTC needed), then real compiles of
+every kernel for sm_90 (skipped with the reason where NVRTC cannot be loaded). No GPU needed."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+import threading
+import time
+
+import pytest
+
+import streamlane.kernels as K
+import streamlane.kernels.compile as compile_mod
+
+ARCH = "sm_90"
+
+
+# -- DiskCache: the pure cache logic -------------------------------------------------------------
+@pytest.fixture
+def mkstemp_calls(monkeypatch):
+    """Every temp path DiskCache creates."""
+    calls: list[str] = []
+    lock = threading.Lock()
+    real = tempfile.mkstemp
+
+    def recording(*args, **kwargs):
+        fd, path = real(*args, **kwargs)
+        with lock:
+            calls.append(path)
+        return fd, path
+
+    monkeypatch.setattr(compile_mod.tempfile, "mkstemp", recording)
+    return calls
+
+
+def _leftovers(directory) -> list[str]:
+    return [p.name for p in directory.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_concurrent_writers_of_one_key_never_share_a_temp_path(tmp_path, mkstemp_calls):
+    # Eight caches on one directory stand for eight processes: each misses and writes.
+    payload = os.urandom(4096)
+    builds = []
+    start = threading.Barrier(8)
+
+    def build() -> bytes:
+        builds.append(1)
+        time.sleep(0.05)  # all eight are inside build at once
+        return payload
+
+    results: list[bytes | BaseException] = [b""] * 8
+
+    def worker(i: int) -> None:
+        start.wait()
+        try:
+            results[i] = K.DiskCache(tmp_path).get_or_build("samekey", build)
+        except BaseException as exc:
+            results[i] = exc
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert results == [payload] * 8
+    assert len(builds) == 8 and len(mkstemp_calls) == 8
+    assert len(set(mkstemp_calls)) == 8, "two writers shared a temp path"
+    assert all(os.path.dirname(p) == str(tmp_path) for p in mkstemp_calls)  # same filesystem
+    assert _leftovers(tmp_path) == []
+    final = K.DiskCache(tmp_path).path("samekey")
+    assert final.exists() and K.DiskCache(tmp_path).get("samekey") == payload
+
+
+def test_one_cache_builds_a_key_once_under_concurrency(tmp_path, mkstemp_calls):
+    cache = K.DiskCache(tmp_path)
+    calls = []
+
+    def build() -> bytes:
+        calls.append(1)
+        time.sleep(0.05)
+        return b"cubin"
+
+    with_results: list[bytes] = []
+    threads = [threading.Thread(target=lambda: with_results.append(
+        cache.get_or_build("k", build))) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert with_results == [b"cubin"] * 8 and len(calls) == 1 and len(mkstemp_calls) == 1
+
+
+def test_hit_does_not_build(tmp_path):
+    K.DiskCache(tmp_path).get_or_build("k", lambda: b"first")
+    assert K.DiskCache(tmp_path).get_or_build("k", lambda: pytest.fail("rebuilt")) == b"first"
+
+
+@pytest.mark.parametrize("damage", ["empty", "garbage", "truncated", "bitflip"])
+def test_corrupt_file_is_a_miss_and_is_overwritten(tmp_path, damage):
+    cache = K.DiskCache(tmp_path)
+    cache.put("k", b"good bytes" * 100)
+    path = cache.path("k")
+    blob = path.read_bytes()
+    path.write_bytes({"empty": b"", "garbage": b"\x7fELF not a cache file",
+                      "truncated": blob[:-7],
+                      "bitflip": blob[:-1] + bytes([blob[-1] ^ 1])}[damage])
+    assert cache.get("k") is None
+    assert K.DiskCache(tmp_path).get_or_build("k", lambda: b"rebuilt") == b"rebuilt"
+    assert cache.get("k") == b"rebuilt"
+
+
+def test_failed_build_leaves_nothing_behind(tmp_path):
+    def build() -> bytes:
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        K.DiskCache(tmp_path).get_or_build("k", build)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_failed_write_removes_its_temp_file(tmp_path, monkeypatch):
+    def broken_replace(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(compile_mod.os, "replace", broken_replace)
+    with pytest.raises(OSError, match="disk full"):
+        K.DiskCache(tmp_path).put("k", b"data")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_unwritable_cache_warns_and_still_returns(tmp_path, monkeypatch):
+    monkeypatch.setattr(compile_mod.os, "replace", lambda s, d: (_ for _ in ()).throw(
+        OSError("read-only")))
+    with pytest.warns(RuntimeWarning, match="not writable"):
+        assert K.DiskCache(tmp_path).get_or_build("k", lambda: b"x") == b"x"
+
+
+@pytest.mark.parametrize("key", ["", "../escape", "a/b", "x" * 129, None])
+def test_keys_cannot_escape_the_directory(tmp_path, key):
+    with pytest.raises(ValueError, match="cache key"):
+        K.DiskCache(tmp_path).path(key)
+
+
+def test_default_directory(monkeypatch, tmp_path):
+    monkeypatch.setenv("STREAMLANE_CACHE_DIR", str(tmp_path / "c"))
+    assert K.KernelCache().directory == tmp_path / "c"
+    monkeypatch.delenv("STREAMLANE_CACHE_DIR")
+    assert K.default_cache_dir().parts[-3:] == (".cache", "streamlane", "kernels")
+
+
+# -- NVRTC ---------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def nvrtc() -> tuple[int, int]:
+    try:
+        return compile_mod.nvrtc_version()
+    except K.NvrtcUnavailable as exc:
+        pytest.skip(f"NVRTC cannot be loaded on this machine: {exc}")
+
+
+@pytest.mark.parametrize("name", K.kernel_names())
+def test_every_kernel_compiles_for_sm90(nvrtc, tmp_path, name):
+    spec = K.get_kernel(name)
+    cubin = K.KernelCache(tmp_path).get_or_compile(spec, ARCH)
+    assert cubin.startswith(b"\x7fELF") and spec.entry.encode() in cubin
+
+
+def test_cache_hit_never_runs_nvrtc(nvrtc, tmp_path, monkeypatch):
+    spec = K.get_kernel("add")
+    before = K.compile_count()
+    first = K.KernelCache(tmp_path).get_or_compile(spec, ARCH)
+    assert K.compile_count() == before + 1
+    monkeypatch.setattr(compile_mod, "compile_source",
+                        lambda *a, **k: pytest.fail("NVRTC ran on a cache hit"))
+    assert K.KernelCache(tmp_path).get_or_compile(spec, ARCH) == first  # from disk
+    cache = K.KernelCache(tmp_path)
+    cache.get_or_compile(spec, ARCH)
+    (tmp_path / f"{cache.key(spec, ARCH)}.cubin").unlink()
+    assert cache.get_or_compile(spec, ARCH) == first  # from this instance's memory
+    assert K.compile_count() == before + 1
+
+
+def test_corrupt_cubin_is_recompiled(nvrtc, tmp_path):
+    spec = K.get_kernel("relu")
+    cache = K.KernelCache(tmp_path)
+    good = cache.get_or_compile(spec, ARCH)
+    path = tmp_path / f"{cache.key(spec, ARCH)}.cubin"
+    path.write_bytes(b"")
+    before = K.compile_count()
+    assert K.KernelCache(tmp_path).get_or_compile(spec, ARCH) == good
+    assert K.compile_count() == before + 1 and path.stat().st_size > len(good)
+
+
+def test_key_covers_source_entry_options_and_arch(nvrtc, tmp_path):
+    cache = K.KernelCache(tmp_path)
+    add = K.get_kernel("add")
+    key = cache.key(add, ARCH)
+    assert key == K.KernelCache(tmp_path / "other").key(add, ARCH)
+    assert cache.key(add, ARCH, ("lineinfo", "use_fast_math")) == cache.key(
+        add, ARCH, ("use_fast_math", "lineinfo"))  # options are sorted
+    others = {
+        cache.key(dataclasses.replace(add, source=add.source + "\n"), ARCH),
+        cache.key(dataclasses.replace(add, entry="sl_other"), ARCH),
+        cache.key(add, ARCH, ("use_fast_math",)),
+        cache.key(add, "sm_80"),
+    }
+    assert key not in others and len(others) == 4
+
+
+def test_options_reach_nvrtc(nvrtc, tmp_path):
+    cache = K.KernelCache(tmp_path)
+    gelu = K.get_kernel("gelu")
+    fast = cache.get_or_compile(gelu, ARCH, ("use_fast_math", "max_register_count=32"))
+    assert fast.startswith(b"\x7fELF") and fast != cache.get_or_compile(gelu, ARCH)
+
+
+@pytest.mark.parametrize(("arch", "options"), [("90", ()), ("compute_90", ()),
+                                                (ARCH, ("arch=sm_80",)), (ARCH, ("",)),
+                                                (ARCH, ("no_such_option",))])
+def test_bad_arch_or_option_is_a_value_error(nvrtc, tmp_path, arch, options):
+    with pytest.raises(ValueError):
+        K.KernelCache(tmp_path).get_or_compile(K.get_kernel("copy"), arch, options)
+
+
+def test_compile_error_carries_the_log(nvrtc, tmp_path):
+    broken = dataclasses.replace(
+        K.get_kernel("add"),
+        source='extern "C" __global__ void sl_add(float* out) { out[0] = undefined_name; }')
+    with pytest.raises(K.CompileError) as info:
+        K.KernelCache(tmp_path).get_or_compile(broken, ARCH)
+    err = info.value
+    assert err.kernel == "add" and err.code == "NVRTC_ERROR_COMPILATION"
+    assert "undefined_name" in err.log and "error" in err.log
+    assert "undefined_name" in str(err) and "\x00" not in err.log
+    assert list(tmp_path.iterdir()) == []  # nothing cached
+
+
+def test_missing_entry_is_a_compile_error(nvrtc, tmp_path):
+    wrong = dataclasses.replace(K.get_kernel("copy"), entry="sl_nowhere")
+    with pytest.raises(K.CompileError) as info:
+        K.KernelCache(tmp_path).get_or_compile(wrong, ARCH)
+    assert info.value.code == "ENTRY_NOT_FOUND" and "sl_nowhere" in info.value.log
