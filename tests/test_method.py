@@ -1,0 +1,362 @@
+"""Methods: the input/output state machine, options, and ordering rules 1, 4, 5 and 6."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from streamlane.runtime import CallerStream, Program, Result
+from streamlane.runtime import method as method_module
+from streamlane.runtime.errors import (
+    InvalidArgument,
+    InvalidInput,
+    InvalidState,
+    NotSupported,
+)
+from streamlane.runtime.reference import run_reference
+
+RNG = np.random.default_rng()
+
+
+def mlp(batch=4, width=16, out=8):
+    w1 = RNG.standard_normal((width, width)).astype(np.float32)
+    w2 = RNG.standard_normal((width, out)).astype(np.float32)
+    b = Program.build("mlp", constants={"w1": w1, "w2": w2})
+    m = b.method("forward", x=("float32", [batch, width]))
+    m.output(m.step("matmul", m.step("relu", m.step("matmul", "x", "w1")), "w2", out="y"))
+    return b.finish()
+
+
+def x_for(program, name="forward"):
+    decl = program.methods[name].inputs[0]
+    return RNG.standard_normal(decl.shape).astype(np.float32)
+
+
+def check(program, inputs, results, rtol=1e-4):
+    refs = run_reference(program, "forward", inputs)
+    for r, ref in zip(results, refs, strict=True):
+        got = r.to_host() if isinstance(r, Result) else r
+        assert np.linalg.norm(got - ref) <= rtol * np.linalg.norm(ref)
+
+
+# -- state machine ---------------------------------------------------------------------------
+
+def test_call_runs_and_matches_reference(device):
+    p = mlp()
+    m = p.method("forward", device=device)
+    x = x_for(p)
+    out = m([x])
+    assert len(out) == 1 and out[0].shape == (4, 8) and out[0].dtype == np.float32
+    check(p, [x], out)
+
+
+def test_execute_before_set_inputs_is_invalid_state(device):
+    m = mlp().method("forward", device=device)
+    with pytest.raises(InvalidState, match="set_inputs"):
+        m.execute()
+    with pytest.raises(InvalidState, match="execute"):
+        m.get_outputs()
+
+
+def test_wrong_count_keeps_previous_inputs(device):
+    p = mlp()
+    m = p.method("forward", device=device)
+    x = x_for(p)
+    m.set_inputs([x])
+    with pytest.raises(InvalidInput, match="1 inputs"):
+        m.set_inputs([x, x])
+    m.execute()  # previous inputs intact and usable
+    check(p, [x], m.get_outputs())
+
+
+def test_failed_set_inputs_blocks_execute_until_all_inputs_passed_again(device):
+    p = mlp()
+    m = p.method("forward", device=device)
+    x = x_for(p)
+    m([x])
+    with pytest.raises(InvalidInput) as info:
+        m.set_inputs([x.astype(np.float64)])
+    assert info.value.index == 0 and info.value.method == "mlp.forward"
+    assert "float64" in str(info.value) and "input 0" in str(info.value)
+    with pytest.raises(InvalidState, match="failed"):
+        m.execute()
+    with pytest.raises(InvalidState):
+        m.get_outputs()
+    m.set_inputs([x])
+    m.execute()
+    check(p, [x], m.get_outputs())
+
+
+def test_get_outputs_refused_after_new_inputs_until_execute(device):
+    p = mlp()
+    m = p.method("forward", device=device)
+    x = x_for(p)
+    m([x])
+    m.set_inputs([x])
+    with pytest.raises(InvalidState):
+        m.get_outputs()
+    m.execute()
+    assert len(m.get_outputs()) == 1
+
+
+@pytest.mark.parametrize("bad,match", [
+    (np.zeros((4, 15), np.float32), "shape"),
+    (np.zeros((4, 16), np.int32), "dtype"),
+    ("text", "str"),
+    (None, "NoneType"),
+    (3.0, "Python number"),
+])
+def test_bad_inputs_name_index_and_method(device, bad, match):
+    m = mlp().method("forward", device=device)
+    with pytest.raises(InvalidInput, match=match) as info:
+        m.set_inputs([bad])
+    assert info.value.index == 0 and "mlp.forward" in str(info.value)
+
+
+def test_inputs_must_be_a_list(device):
+    m = mlp().method("forward", device=device)
+    with pytest.raises(InvalidInput, match="list"):
+        m.set_inputs(x_for(mlp()))
+
+
+def test_transposed_and_strided_inputs_are_copied_into_the_exported_layout(device):
+    p = mlp(batch=16, width=16)
+    m = p.method("forward", device=device)
+    base = RNG.standard_normal((16, 16)).astype(np.float32)
+    for x in (base.T, base[::-1, ::-1], np.asfortranarray(base)):
+        check(p, [np.ascontiguousarray(x)], m([x]))
+
+
+def test_results_are_accepted_as_inputs(device):
+    p = mlp(width=16, out=16)
+    m1 = p.method("forward", device=device)
+    m2 = p.method("forward", device=device)
+    x = x_for(p)
+    h = m1([x])[0]
+    y = m2([h])[0]
+    check(p, [run_reference(p, "forward", [x])[0].astype(np.float32)], [y], rtol=1e-3)
+
+
+def test_scalar_inputs_follow_their_declared_kind(device):
+    def scale(stream, ins, outs):
+        outs[0][...] = ins[0] * ins[1]
+
+    b = Program.build("s")
+    m = b.method("forward", x=("float32", [4]), k=("float32", []), n=("int32", []))
+    m.call(scale, ["x", "k"], [("y", "float32", [4])])
+    m.output("y")
+    meth = b.finish().method("forward", device=get_host())
+    x = np.arange(4, dtype=np.float32)
+    meth.set_inputs([x, 2, 3])  # an int is fine for a float
+    with pytest.raises(InvalidInput, match="int32 scalar"):
+        meth.set_inputs([x, 2.0, 1.5])
+    with pytest.raises(InvalidInput, match="int32 scalar"):
+        meth.set_inputs([x, 2.0, True])
+    with pytest.raises(InvalidInput, match="float32 scalar"):
+        meth.set_inputs([x, True, 1])
+    with pytest.raises(InvalidInput, match="str"):
+        meth.set_inputs([x, "2", 1])
+    np.testing.assert_array_equal(meth([x, 2.5, 1])[0].to_host(), x * 2.5)
+
+
+def get_host():
+    from streamlane.runtime import get_device
+
+    return get_device("host")
+
+
+# -- options (rule 5) ------------------------------------------------------------------------
+
+def test_options_are_validated(device):
+    p = mlp()
+    with pytest.raises(InvalidArgument, match="unknown option"):
+        p.method("forward", device=device, fast=True)
+    with pytest.raises(NotSupported) as info:
+        p.method("forward", device=device, use_shared_stream=True)
+    for alternative in ("lane", "CallerStream", "after="):
+        assert alternative in str(info.value)
+    with pytest.raises(InvalidArgument, match="bool"):
+        p.method("forward", device=device, use_shared_stream=1)
+    with pytest.raises(InvalidArgument, match="bool"):
+        p.method("forward", device=device, clone_outputs="yes")
+    p.method("forward", device=device, use_shared_stream=False)
+    with pytest.raises(InvalidArgument, match="no method"):
+        p.method("backward", device=device)
+
+
+# -- rule 6: execute never waits on the host -------------------------------------------------
+
+def test_execute_returns_while_the_stream_is_held(device):
+    p = mlp()
+    m = p.method("forward", device=device)
+    x = x_for(p)
+    m([x])[0].to_host()
+    stream = device.per_thread_stream()
+    with device.create_latch() as latch:
+        latch.hold(stream)
+        waits = device.stats.host_waits
+        t0 = time.perf_counter()
+        out = m([x])[0]
+        assert time.perf_counter() - t0 < 1.0
+        assert device.stats.host_waits == waits
+        time.sleep(0.05)
+        assert not out.ready()
+        latch.release()
+    check(p, [x], [out])
+
+
+# -- rule 1: one stream per execute; the determinism test ------------------------------------
+
+def split_program(device, width=64):
+    """A program split across both backends (kernel and callable steps), each step with its own
+    buffer. On the host device callables run numpy in stream order."""
+
+    def shift(stream, ins, outs):
+        if device.kind == "host":
+            np.add(ins[0], 1.0, out=outs[0])
+        else:
+            cp = pytest.importorskip("cupy")
+            with cp.cuda.ExternalStream(stream.handle):
+                cp.add(cp.asarray(ins[0]), 1.0, out=cp.asarray(outs[0]))
+
+    def square(stream, ins, outs):
+        if device.kind == "host":
+            np.multiply(ins[0], ins[0], out=outs[0])
+        else:
+            cp = pytest.importorskip("cupy")
+            with cp.cuda.ExternalStream(stream.handle):
+                a = cp.asarray(ins[0])
+                cp.multiply(a, a, out=cp.asarray(outs[0]))
+
+    w = (RNG.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32)
+    b = Program.build("split", constants={"w": w})
+    m = b.method("forward", x=("float32", [16, width]))
+    a = m.step("matmul", "x", "w")
+    m.call(shift, [a], [("b", "float32", [16, width])])
+    c = m.step("gelu", "b")
+    m.call(square, [c], [("d", "float32", [16, width])])
+    e = m.step("layernorm", "d")
+    m.output(m.step("scale", e, out="y", factor=0.5))
+    return b.finish(), w
+
+
+def split_reference(x, w):
+    from streamlane.kernels import get_kernel
+
+    gelu = get_kernel("gelu").reference
+    ln = get_kernel("layernorm").reference
+    h = x.astype(np.float64) @ w.astype(np.float64) + 1.0
+    h = gelu([h], {})[0]
+    return 0.5 * ln([h * h], {"eps": 1e-5})[0]
+
+
+def run_determinism(device, runs=100, delay=None):
+    program, w = split_program(device)
+    m = program.method("forward", device=device)
+    x = RNG.standard_normal((16, 64)).astype(np.float32)
+    first = m([x])[0].to_host()
+    ref = split_reference(x, w)
+    assert np.linalg.norm(first - ref) <= 1e-4 * np.linalg.norm(ref), "first result is wrong"
+    for i in range(runs):
+        if delay is not None:
+            delay(m)
+        again = m([x])[0].to_host()
+        assert np.array_equal(again, first), f"run {i + 2} differs from the first"
+
+
+def test_split_program_is_deterministic(device):
+    run_determinism(device)
+
+
+def test_private_stream_per_step_breaks_the_determinism_test(host, monkeypatch):
+    """The old bug (a stream per step, nothing between them) must make the test fail: stall
+    the stream of a producing step so its consumer reads the buffer before it is written."""
+    monkeypatch.setattr(method_module, "_PRIVATE_STREAM_PER_STEP", True)
+    program, w = split_program(host)
+    m = program.method("forward", device=host)
+    x = RNG.standard_normal((16, 64)).astype(np.float32)
+    m._private_stream(0)
+    host.inject_delay(m._private_streams[1], 0.05)  # the first callable step runs late
+    got = m([x])[0].to_host()
+    ref = split_reference(x, w)
+    assert not np.linalg.norm(got - ref) <= 1e-4 * np.linalg.norm(ref)
+    with pytest.raises(AssertionError):
+        run_determinism(host, runs=3,
+                        delay=lambda m: host.inject_delay(m._private_stream(1), 0.05))
+    for s in m._private_streams:
+        s.close()
+
+
+# -- rule 4: handoff between streams ---------------------------------------------------------
+
+def test_handoff_to_another_thread_waits_on_the_device(device):
+    """One method behind a lock, driven from another thread: the second execute must not start
+    before the first (held by a latch) on the device."""
+    p = mlp()
+    m = p.method("forward", device=device)
+    lock = threading.Lock()
+    x1, x2 = x_for(p), x_for(p)
+    box = {}
+    with device.create_latch() as latch:
+        with lock:
+            latch.hold(device.per_thread_stream())
+            r1 = m([x1])[0]
+
+        def other():
+            with lock:
+                box["r2"] = m([x2])[0]
+
+        t = threading.Thread(target=other)
+        t.start()
+        t.join(10)
+        r2 = box["r2"]
+        time.sleep(0.05)
+        assert not r2.ready(), "the handed-off execute ran before the previous one"
+        latch.release()
+    check(p, [x1], [r1])
+    check(p, [x2], [r2])
+
+
+def test_handoff_to_a_caller_stream_waits_on_the_device(device):
+    p = mlp()
+    m = p.method("forward", device=device)
+    x = x_for(p)
+    with device.create_latch() as latch, device.create_stream() as s:
+        latch.hold(device.per_thread_stream())
+        m([x])
+        with CallerStream(s):
+            r = m([x])[0]
+        time.sleep(0.05)
+        assert not r.ready()
+        latch.release()
+        with CallerStream(s):
+            check(p, [x], [r])
+
+
+def test_concurrent_execute_from_two_threads_is_refused(host):
+    p = mlp()
+    m = p.method("forward", device=host)
+    x = x_for(p)
+    m.set_inputs([x])
+    inside, go_on = threading.Event(), threading.Event()
+    run, ins, outs = m._steps[0]
+
+    def slow_run(stream, a, b):
+        inside.set()
+        go_on.wait(5)
+        run(stream, a, b)
+
+    m._steps[0] = (slow_run, ins, outs)
+    t = threading.Thread(target=m.execute)
+    t.start()
+    assert inside.wait(5)
+    with pytest.raises(InvalidState, match="another thread"):
+        m.execute()
+    with pytest.raises(InvalidState, match="another thread"):
+        m.set_inputs([x])
+    go_on.set()
+    t.join(5)
+    check(p, [x], m.get_outputs())

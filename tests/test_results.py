@@ -1,0 +1,251 @@
+"""Results without copies: two buffers taking turns, safe reuse across streams (rule 8),
+one host wait per call (rule 6), interop."""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import time
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from streamlane.runtime import CallerStream, Program, Result
+from streamlane.runtime.errors import InvalidArgument
+
+RNG = np.random.default_rng()
+
+
+def scaler(shape=(64, 64), factor=2.0):
+    b = Program.build("scaler")
+    m = b.method("forward", x=("float32", list(shape)))
+    m.output(m.step("scale", "x", out="y", factor=factor))
+    return b.finish()
+
+
+def adder(shape=(64, 64)):
+    b = Program.build("adder")
+    m = b.method("forward", a=("float32", list(shape)), b=("float32", list(shape)))
+    m.output(m.step("add", "a", "b", out="y"))
+    return b.finish()
+
+
+def rand(shape=(64, 64)):
+    return RNG.standard_normal(shape).astype(np.float32)
+
+
+def test_outputs_alternate_between_exactly_two_buffers(device):
+    m = scaler().method("forward", device=device)
+    x = rand()
+    out = m([x])[0]
+    ptrs = []
+    allocs = None
+    for i in range(20):
+        out = m([x])[0]
+        ptrs.append(out.array.ptr)
+        if i == 2:
+            allocs = device.stats.allocations
+    assert len(set(ptrs)) == 2
+    assert all(a != b for a, b in itertools.pairwise(ptrs))
+    assert device.stats.allocations == allocs, "steady state must not allocate"
+    np.testing.assert_array_equal(out.to_host(), 2 * x)
+
+
+def test_dropped_result_buffer_is_reused(device):
+    m = scaler().method("forward", device=device)
+    x = rand()
+    first = m([x])[0]
+    ptr = first.array.ptr
+    del first
+    gc.collect()
+    assert m([x])[0].array.ptr == ptr
+
+
+def test_held_result_keeps_its_values_across_100_executes(device):
+    m = scaler().method("forward", device=device)
+    x = rand()
+    held = m([x])[0]
+    for _ in range(100):
+        m([rand()])
+    np.testing.assert_array_equal(held.to_host(), 2 * x)
+
+
+def test_when_both_buffers_are_held_the_next_execute_allocates(device):
+    m = scaler().method("forward", device=device)
+    xs = [rand() for _ in range(3)]
+    held = [m([x])[0] for x in xs]
+    assert len({r.array.ptr for r in held}) == 3
+    for r, x in zip(held, xs, strict=True):
+        np.testing.assert_array_equal(r.to_host(), 2 * x)
+    del held, r
+    gc.collect()
+    for _ in range(4):
+        out = m([xs[0]])[0]
+    assert len(m._pools[0]) == 2, "extra buffers are returned once free"
+    np.testing.assert_array_equal(out.to_host(), 2 * xs[0])
+
+
+def test_clone_outputs_false_returns_views_the_next_execute_overwrites(device):
+    m = scaler().method("forward", device=device, clone_outputs=False)
+    x1, x2 = rand(), rand()
+    r1 = m([x1])[0]
+    r2 = m([x2])[0]
+    assert r1.array.ptr == r2.array.ptr and r1.view_only
+    np.testing.assert_array_equal(r1.to_host(), 2 * x2)
+
+
+def test_consumer_on_another_stream_never_sees_overwritten_data(device):
+    """Rule 8: the producer's next execute must not rewrite a buffer that a consumer on another
+    stream has not read yet, even after the result object was dropped."""
+    producer = scaler().method("forward", device=device)
+    consumer = scaler(factor=3.0).method("forward", device=device)
+    x1, x2 = rand(), rand()
+    r = producer([x1])[0]
+    with device.create_stream() as other, device.create_latch() as latch:
+        with CallerStream(other):
+            latch.hold(other)  # the consumer's read waits behind the latch
+            c = consumer([r])[0]
+            consumer.set_inputs([rand()])  # the consumer lets go of r; its read is still queued
+        del r
+        gc.collect()
+        again = producer([x2])[0]  # reuses r's buffer: must wait for the consumer's read
+        time.sleep(0.05)
+        assert not again.ready(), "the producer rewrote a buffer another stream still reads"
+        latch.release()
+        with CallerStream(other):
+            np.testing.assert_array_equal(c.to_host(), 6 * x1)
+    np.testing.assert_array_equal(again.to_host(), 2 * x2)
+
+
+def test_consumer_on_another_thread_with_injected_delay(host):
+    """The same race with a consumer on another thread whose stream runs late (injected delay):
+    the producer's next execute must wait for that thread's read on the device."""
+    import threading
+
+    producer = scaler().method("forward", device=host)
+    consumer = scaler(factor=3.0).method("forward", device=host)
+    for _ in range(5):
+        x = rand()
+        box = {"r": producer([x])[0]}
+        handed_over = threading.Event()
+
+        def read(box=box, handed_over=handed_over):
+            host.inject_delay(host.per_thread_stream(), 0.03)
+            r = box.pop("r")
+            box["c"] = consumer([r])[0]
+            consumer.set_inputs([rand()])
+            del r
+            handed_over.set()
+            box["value"] = box["c"].to_host()
+
+        t = threading.Thread(target=read)
+        t.start()
+        assert handed_over.wait(5)
+        gc.collect()
+        producer([rand()])  # reuses the buffer the other thread has not read yet
+        t.join(5)
+        np.testing.assert_array_equal(box["value"], 6 * x)
+
+
+def test_one_host_wait_per_chain_of_calls(device):
+    m = adder().method("forward", device=device)
+    xs = [rand() for _ in range(9)]
+    m([xs[0], xs[1]])[0].to_host()
+    before = device.stats.host_waits
+    acc = Result.from_host(xs[0], device)
+    for x in xs[1:]:
+        acc = m([acc, x])[0]  # one host upload per call
+        assert device.stats.host_waits == before, "a call inside the chain waited on the host"
+    got = acc.to_host()
+    assert device.stats.host_waits - before == 1
+    np.testing.assert_allclose(got, np.sum(xs, axis=0, dtype=np.float64), rtol=1e-5, atol=1e-5)
+
+
+def test_result_api(device):
+    x = rand((3, 5))
+    r = Result.from_host(x, device)
+    assert r.shape == (3, 5) and r.dtype == np.float32 and r.dtype_name == "float32"
+    assert r.device is device
+    np.testing.assert_array_equal(r.to_host(), x)
+    assert "float32[3, 5]" in repr(r) and device.name in repr(r)
+    assert ("ready" in repr(r)) or ("pending" in repr(r))
+
+
+def test_from_host_keeps_bfloat16_and_accepts_a_result(device):
+    x = rand((4, 4)).astype(ml_dtypes.bfloat16)
+    r = Result.from_host(x, device)
+    assert r.dtype_name == "bfloat16"
+    back = r.to_host()
+    assert back.dtype == x.dtype
+    np.testing.assert_array_equal(back.view(np.uint16), x.view(np.uint16))
+    again = Result.from_host(r, device)
+    np.testing.assert_array_equal(again.to_host().view(np.uint16), x.view(np.uint16))
+
+
+def test_from_host_rejects_unsupported_dtypes(device):
+    with pytest.raises(InvalidArgument):
+        Result.from_host(np.array(["a", "b"]), device)
+    with pytest.raises(InvalidArgument):
+        Result.from_host(np.zeros(3, np.complex64), device)
+
+
+def test_host_dlpack_is_zero_copy_and_pins_the_buffer(host):
+    m = scaler().method("forward", device=host)
+    x = rand()
+    r = m([x])[0]
+    assert r.__dlpack_device__() == (1, 0)
+    arr = np.from_dlpack(r)
+    np.testing.assert_array_equal(arr, 2 * x)
+    ptr = r.array.ptr
+    del r
+    gc.collect()
+    for _ in range(3):
+        assert m([rand()])[0].array.ptr != ptr, "an exported buffer was rewritten"
+    np.testing.assert_array_equal(arr, 2 * x)
+
+
+@pytest.mark.cuda
+def test_torch_takes_results_zero_copy_without_device_sync(cuda_device):
+    torch = pytest.importorskip("torch")
+    m = scaler((256, 256)).method("forward", device=cuda_device)
+    x = rand((256, 256))
+    r = m([x])[0]
+    waits = cuda_device.stats.host_waits
+    t = torch.from_dlpack(r)
+    assert cuda_device.stats.host_waits == waits
+    assert t.data_ptr() == r.array.ptr
+    assert t.shape == (256, 256) and t.dtype == torch.float32
+    np.testing.assert_array_equal(t.cpu().numpy(), 2 * x)
+
+
+@pytest.mark.cuda
+def test_torch_reads_stay_safe_when_the_buffer_returns(cuda_device):
+    """A result handed to torch is not rewritten until torch's queued reads are done."""
+    torch = pytest.importorskip("torch")
+    m = scaler((1024, 1024)).method("forward", device=cuda_device)
+    x = rand((1024, 1024))
+    r = m([x])[0]
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        t = torch.from_dlpack(r)
+        torch.cuda._sleep(50_000_000)  # keep torch's stream busy before it reads
+        total = (t * 1.0).sum()
+    del t, r
+    gc.collect()
+    m([rand((1024, 1024))])
+    expected = float((2 * x).astype(np.float64).sum())
+    assert abs(float(total.cpu()) - expected) <= 1e-3 * abs(expected) + 1e-2
+
+
+@pytest.mark.cuda
+def test_cupy_takes_results_zero_copy(cuda_device):
+    cp = pytest.importorskip("cupy")
+    m = scaler().method("forward", device=cuda_device)
+    x = rand()
+    r = m([x])[0]
+    a = cp.from_dlpack(r)
+    assert a.data.ptr == r.array.ptr
+    np.testing.assert_array_equal(cp.asnumpy(a), 2 * x)
+    b = cp.asarray(r)  # __cuda_array_interface__
+    np.testing.assert_array_equal(cp.asnumpy(b), 2 * x)

@@ -1,0 +1,332 @@
+"""Streams, events, caller-stream selection and memory: the runtime foundation (rules 2-3)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from streamlane.runtime import CallerStream, current_stream, get_device
+from streamlane.runtime.errors import (
+    DeviceError,
+    InvalidArgument,
+    InvalidState,
+    StreamClosed,
+)
+
+
+def _in_thread(fn):
+    box = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # surfaced to the test thread
+            box["error"] = exc
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(10)
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def test_per_thread_stream_differs_between_threads_and_is_stable_on_one(device):
+    mine = device.per_thread_stream()
+    assert device.per_thread_stream() is mine
+    assert current_stream(device) is mine
+    other = _in_thread(device.per_thread_stream)
+    assert other != mine
+    assert other.kind == mine.kind == "per-thread"
+
+
+def test_per_thread_stream_refuses_use_from_another_thread(device):
+    mine = device.per_thread_stream()
+    with pytest.raises(InvalidState, match="per-thread stream of another thread"):
+        _in_thread(lambda: mine.record())
+
+
+def test_legacy_stream_is_explicit_and_shared(device):
+    legacy = device.legacy_stream()
+    assert legacy.kind == "legacy"
+    assert _in_thread(device.legacy_stream) is legacy
+    legacy.record().synchronize()
+
+
+def test_created_stream_close_is_idempotent_and_context_managed(device):
+    with device.create_stream() as s:
+        assert s.kind == "owned"
+        s.record().synchronize()
+    assert s.closed
+    s.close()
+    with pytest.raises(StreamClosed, match="closed"):
+        s.record()
+    with pytest.raises(StreamClosed):
+        device.launch("spin", s, [], [], {"us": 1})
+
+
+def test_our_streams_expose_cuda_stream_protocol_and_wrap_back(device):
+    with device.create_stream() as s:
+        version, handle = s.__cuda_stream__()
+        assert version == 0 and handle == s.handle
+        assert device.wrap_stream(s) is s
+
+
+class _Foreign:
+    def __init__(self, handle):
+        self.handle = handle
+
+    def __cuda_stream__(self):
+        return (0, self.handle)
+
+
+def test_foreign_stream_is_borrowed_never_destroyed(device):
+    owner = device.create_stream()
+    borrowed = device.wrap_stream(_Foreign(owner.handle))
+    assert borrowed.kind == "foreign"
+    borrowed.record().synchronize()
+    borrowed.close()  # only the wrapper is closed
+    owner.record().synchronize()  # the stream itself still works
+    owner.close()
+
+
+@pytest.mark.parametrize("bad", [
+    lambda: (0,),
+    lambda: (0, "x"),
+    lambda: [0, 5],
+    lambda: (1, 5),
+    lambda: (0, -3),
+    lambda: (0, True),
+])
+def test_malformed_cuda_stream_objects_raise_invalid_argument(device, bad):
+    class Bad:
+        def __cuda_stream__(self):
+            return bad()
+
+    with pytest.raises(InvalidArgument, match="__cuda_stream__"):
+        device.wrap_stream(Bad())
+
+
+def test_cuda_stream_that_raises_is_reported(device):
+    class Raising:
+        def __cuda_stream__(self):
+            raise RuntimeError("boom")
+
+    with pytest.raises(InvalidArgument, match="boom"):
+        device.wrap_stream(Raising())
+    with pytest.raises(InvalidArgument, match="no __cuda_stream__"):
+        device.wrap_stream(object())
+
+
+def test_caller_stream_none_is_legacy_and_distinct_from_no_guard(device):
+    assert current_stream(device).kind == "per-thread"
+    with CallerStream(None):
+        assert current_stream(device) is device.legacy_stream()
+    assert current_stream(device).kind == "per-thread"
+
+
+def test_caller_stream_guard_is_invisible_to_other_threads(device):
+    with device.create_stream() as s, CallerStream(s):
+        assert current_stream(device) is s
+        seen = _in_thread(lambda: current_stream(device))
+        assert seen.kind == "per-thread" and seen != s
+
+
+def test_caller_stream_nesting_restores_outer_selection(device):
+    with device.create_stream() as a, device.create_stream() as b:
+        with CallerStream(a):
+            with CallerStream(b):
+                assert current_stream(device) is b
+                with CallerStream(None):
+                    assert current_stream(device) is device.legacy_stream()
+                assert current_stream(device) is b
+            assert current_stream(device) is a
+        assert current_stream(device).kind == "per-thread"
+
+
+def test_caller_stream_rejects_non_streams():
+    with pytest.raises(InvalidArgument, match="CallerStream expects"):
+        CallerStream(42)
+
+
+def test_event_never_recorded_counts_as_complete(device):
+    e = device.create_event()
+    assert e.query()
+
+
+def test_event_record_query_wait_and_elapsed(device):
+    s = device.per_thread_stream()
+    start = device.create_event(timing=True)
+    end = device.create_event(timing=True)
+    s.record(start)
+    device.launch("spin", s, [], [], {"us": 20_000})
+    s.record(end)
+    end.synchronize()
+    assert start.query() and end.query()
+    assert end.recorded
+    assert 15.0 <= start.elapsed_ms(end) < 2_000
+
+
+def test_elapsed_needs_timing_events(device):
+    s = device.per_thread_stream()
+    a, b = s.record(), s.record()
+    b.synchronize()
+    with pytest.raises(InvalidArgument, match="timing"):
+        a.elapsed_ms(b)
+
+
+def test_stream_wait_orders_device_side_without_host_round_trip(device):
+    """B waits for A's event on the device: B's work runs only once the latch on A is released,
+    and enqueueing on B returns at once."""
+    with device.create_stream() as a, device.create_stream() as b, \
+            device.create_latch() as latch:
+        x = device.to_device(np.ones(64, np.float32), a)
+        out = device.empty((64,), "float32", a)
+        a.record().synchronize()
+        latch.hold(a)
+        ready = a.record()
+        t0 = time.perf_counter()
+        b.wait(ready)
+        device.launch("scale", b, [x], [out], {"factor": 3.0})
+        done_b = b.record()
+        assert time.perf_counter() - t0 < 0.5  # nothing above waited on the host
+        time.sleep(0.05)
+        assert not done_b.query(), "B ran before the event it waits on"
+        latch.release()
+        done_b.synchronize()
+        host = np.empty(64, np.float32)
+        device.copy_to_host(host, out, b)
+        b.record().synchronize()
+        np.testing.assert_array_equal(host, np.full(64, 3.0, np.float32))
+
+
+def test_event_from_another_device_is_refused():
+    host = get_device("host")
+
+    class OtherDevice:
+        name = "other:0"
+
+    class FakeEvent:
+        device = OtherDevice()
+
+    with pytest.raises(InvalidArgument, match="own device"):
+        host.per_thread_stream().wait(FakeEvent())  # type: ignore[arg-type]
+
+
+def test_host_waits_are_counted_once_per_synchronize(device):
+    s = device.per_thread_stream()
+    before = device.stats.host_waits
+    s.record().synchronize()
+    s.synchronize()
+    assert device.stats.host_waits - before == 2
+
+
+def test_memory_round_trip_of_random_data(device):
+    rng = np.random.default_rng()
+    s = device.per_thread_stream()
+    for shape in [(1,), (7,), (257, 13), (3, 5, 7)]:
+        data = rng.standard_normal(shape).astype(np.float32)
+        d = device.to_device(data, s)
+        back = device.to_host(d, s)
+        np.testing.assert_array_equal(back, data)
+        d2 = device.empty(shape, "float32", s)
+        device.copy(d2, d, s)
+        np.testing.assert_array_equal(device.to_host(d2, s), data)
+
+
+def test_copy_from_host_source_may_change_after_return(device):
+    s = device.per_thread_stream()
+    data = np.arange(1 << 16, dtype=np.float32)
+    d = device.empty(data.shape, "float32", s)
+    with device.create_latch() as latch:
+        latch.hold(s)
+        device.copy_from_host(d, data, s)
+        data[:] = -1  # the copy must have taken the old values
+        latch.release()
+    np.testing.assert_array_equal(device.to_host(d, s), np.arange(1 << 16, dtype=np.float32))
+
+
+@pytest.mark.parametrize("size", [-1, 0, 1 << 50, 2.5, True, "8"])
+def test_bad_allocation_sizes_raise(device, size):
+    with pytest.raises(InvalidArgument, match="allocation size"):
+        device.alloc(size)
+
+
+@pytest.mark.parametrize("shape", [(-1,), (0, 3), (1 << 31,), ("a",), None])
+def test_bad_shapes_raise(device, shape):
+    with pytest.raises(InvalidArgument, match="shape"):
+        device.empty(shape)
+
+
+def test_kernel_launch_bad_input(device):
+    s = device.per_thread_stream()
+    a = device.empty((4, 4), "float32", s)
+    b = device.empty((4, 5), "float32", s)
+    i = device.empty((4, 4), "int32", s)
+    with pytest.raises(InvalidArgument, match="add"):
+        device.launch("add", s, [a, b], [a])
+    with pytest.raises(InvalidArgument, match="float32"):
+        device.launch("relu", s, [i], [i])
+    with pytest.raises(InvalidArgument, match="mix dtypes"):
+        device.launch("relu", s, [a], [i])
+    with pytest.raises(InvalidArgument, match="nosuch"):
+        device.launch("nosuch", s, [a], [a])
+    with pytest.raises(InvalidArgument, match="DeviceArray"):
+        device.launch("relu", s, [np.zeros((4, 4), np.float32)], [a])
+    with pytest.raises(InvalidArgument, match="params"):
+        device.launch("scale", s, [a], [a], {"factor": float("nan")})
+    with pytest.raises(InvalidArgument, match="params"):
+        device.launch("spin", s, [], [], {"us": -5})
+    with pytest.raises(InvalidArgument, match="inputs"):
+        device.launch("add", s, [a], [a])
+
+
+def test_device_selection(monkeypatch):
+    assert get_device("host").kind == "host"
+    assert get_device("HOST") is get_device("host")
+    with pytest.raises(InvalidArgument, match="valid names"):
+        get_device("tpu")
+    with pytest.raises(InvalidArgument, match="valid names"):
+        get_device("cuda:x")
+    monkeypatch.setenv("STREAMLANE_DEVICE", "host")
+    assert get_device().kind == "host"
+    assert get_device("auto").kind == "host"
+
+
+def test_forcing_cuda_without_gpu_is_a_clear_error(monkeypatch):
+    from streamlane.runtime import cuda
+
+    reason = cuda.why_unusable()
+    if reason is None:
+        pytest.skip("a GPU is usable here")
+    monkeypatch.setenv("STREAMLANE_DEVICE", "cuda")
+    with pytest.raises(DeviceError) as info:
+        get_device()
+    assert reason in str(info.value)
+    assert get_device("auto" if False else "host").kind == "host"
+
+
+def test_host_device_fault_is_sticky_and_raises_instead_of_hanging(host):
+    s = host.create_stream()
+    host.inject_failure(s, "kernel exploded")
+    ev = s.record()
+    with pytest.raises(DeviceError, match="kernel exploded"):
+        ev.synchronize()
+    with pytest.raises(DeviceError):
+        host.per_thread_stream().record().synchronize()
+    host.reset_error()
+    s.close()
+
+
+def test_injected_delay_stalls_only_that_stream(host):
+    slow, fast = host.create_stream(), host.create_stream()
+    host.inject_delay(slow, 0.2)
+    a, b = slow.record(), fast.record()
+    b.synchronize()
+    assert not a.query()
+    a.synchronize()
+    slow.close()
+    fast.close()
