@@ -125,8 +125,10 @@ class Device(ABC):
         self._device_synchronize()
 
     # -- memory -----------------------------------------------------------------------------
-    def alloc(self, nbytes: int, stream: Stream | None = None) -> Buffer:
-        """``nbytes`` of device memory, stream-ordered on ``stream`` where supported."""
+    def alloc(self, nbytes: int, stream: Stream | None = None,
+              uses: dict[Any, Any] | None = None) -> Buffer:
+        """``nbytes`` of device memory, stream-ordered on ``stream`` where supported; ``uses``
+        shares one record of stream uses between buffers (see ``Buffer``)."""
         if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)):
             raise InvalidArgument(f"allocation size must be an int, got {type(nbytes).__name__}")
         nbytes = int(nbytes)
@@ -136,14 +138,14 @@ class Device(ABC):
         ptr, impl = self._alloc(nbytes, None if stream is None else stream._usable())
         with self._stats_lock:
             self.stats.allocations += 1
-        return Buffer(self, ptr, nbytes, impl)
+        return Buffer(self, ptr, nbytes, impl, uses)
 
     def empty(self, shape: Sequence[int], dtype: Any = "float32",
-              stream: Stream | None = None) -> DeviceArray:
+              stream: Stream | None = None, uses: dict[Any, Any] | None = None) -> DeviceArray:
         """An uninitialized device array."""
         shape = _check_shape(shape)
         dt = _check_dtype(dtype)
-        return self.alloc(max(1, math.prod(shape) * dt.itemsize), stream).view(dt, shape)
+        return self.alloc(max(1, math.prod(shape) * dt.itemsize), stream, uses).view(dt, shape)
 
     def copy_from_host(self, dst: DeviceArray, src: np.ndarray, stream: Stream) -> None:
         """Enqueue a copy of host ``src`` into ``dst`` (same dtype and shape). ``src`` may be
@@ -266,16 +268,16 @@ class Device(ABC):
         with self._stats_lock:
             self.stats.host_waits += 1
 
-    def _free_quiet(self, ptr: int, impl: Any) -> None:
+    def _free_quiet(self, ptr: int, impl: Any, uses: dict[Any, Any]) -> None:
         try:
-            self._free(ptr, impl, None)
+            self._free(ptr, impl, None, uses)
         except Exception:  # a finalizer must never raise (interpreter shutdown, dead context)
             pass
 
-    def _free(self, ptr: int, impl: Any, stream_impl: Any) -> None:
+    def _free(self, ptr: int, impl: Any, stream_impl: Any, uses: dict[Any, Any]) -> None:
         with self._stats_lock:
             self.stats.frees += 1
-        self._free_memory(ptr, impl, stream_impl)
+        self._free_memory(ptr, impl, stream_impl, list(uses.values()))
 
     def __repr__(self) -> str:
         return f"<Device {self.name}>"
@@ -306,7 +308,8 @@ class Device(ABC):
     @abstractmethod
     def _alloc(self, nbytes: int, stream_impl: Any) -> tuple[int, Any]: ...
     @abstractmethod
-    def _free_memory(self, ptr: int, impl: Any, stream_impl: Any) -> None: ...
+    def _free_memory(self, ptr: int, impl: Any, stream_impl: Any, after: list[Event]) -> None:
+        """Free after ``stream_impl`` (None: the legacy stream) has waited for ``after``."""
     @abstractmethod
     def _copy_h2d(self, dst: DeviceArray, src: np.ndarray, stream_impl: Any) -> None: ...
     @abstractmethod

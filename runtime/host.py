@@ -147,6 +147,7 @@ class HostDevice(Device):
         return worker.id, worker
 
     def _destroy_stream(self, impl: _Worker) -> None:
+        self._workers.pop(impl.id, None)
         impl.stop()
 
     def _foreign_stream(self, handle: int) -> Any:
@@ -225,7 +226,7 @@ class HostDevice(Device):
         storage = np.full(nbytes, _POISON, np.uint8)
         return storage.ctypes.data, storage
 
-    def _free_memory(self, ptr: int, impl: Any, stream_impl: Any) -> None:
+    def _free_memory(self, ptr: int, impl: Any, stream_impl: Any, after: list[Event]) -> None:
         pass  # the storage goes with the last reference to it (queued work holds views)
 
     @staticmethod

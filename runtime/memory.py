@@ -20,23 +20,31 @@ __all__ = ["Buffer", "DeviceArray"]
 
 class Buffer:
     """``nbytes`` of device memory at ``ptr``, owned: ``free()`` (stream-ordered where the device
-    supports it) returns it once; a finalizer holding only the handle frees it if forgotten."""
+    supports it) returns it once; a finalizer holding only the handle frees it if forgotten.
 
-    __slots__ = ("__weakref__", "_finalizer", "_impl", "device", "nbytes", "ptr")
+    ``uses`` maps a stream's key to the event recorded after the latest work there that touched
+    the buffer (several buffers of one method may share one dict). Freeing waits for all of them
+    on the device, so memory is never handed back while another stream still reads it (rule 8).
+    """
 
-    def __init__(self, device: Device, ptr: int, nbytes: int, impl: Any):
+    __slots__ = ("__weakref__", "_finalizer", "_impl", "device", "nbytes", "ptr", "uses")
+
+    def __init__(self, device: Device, ptr: int, nbytes: int, impl: Any,
+                 uses: dict[Any, Any] | None = None):
         self.device = device
         self.ptr = ptr
         self.nbytes = nbytes
         self._impl = impl
-        self._finalizer = weakref.finalize(self, device._free_quiet, ptr, impl)
+        self.uses: dict[Any, Any] = {} if uses is None else uses
+        self._finalizer = weakref.finalize(self, device._free_quiet, ptr, impl, self.uses)
 
     def free(self, stream: Stream | None = None) -> None:
         """Return the memory, ordered after the work queued on ``stream`` (idempotent)."""
         if not self._finalizer.alive:
             return
         self._finalizer.detach()
-        self.device._free(self.ptr, self._impl, None if stream is None else stream._usable())
+        self.device._free(self.ptr, self._impl, None if stream is None else stream._usable(),
+                          self.uses)
 
     @property
     def freed(self) -> bool:

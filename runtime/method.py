@@ -74,21 +74,25 @@ class Method:
 
         # Planned memory, allocated once: constants, internal buffers, input slots, outputs.
         stream = current_stream(device)
+        # One record of stream uses for all memory the method owns (freed when it dies).
+        self._uses: dict[Any, Event] = {}
         self._env: dict[str, DeviceArray] = {}
         for name, value in program.constants.items():
-            self._env[name] = device.to_device(value, stream)
+            array = self._env[name] = device.empty(value.shape, value.dtype, stream, self._uses)
+            device.copy_from_host(array, value, stream)
         for t in mdef.buffers:
-            self._env[t.name] = device.empty(t.shape, DTYPES[t.dtype], stream)
+            self._env[t.name] = device.empty(t.shape, DTYPES[t.dtype], stream, self._uses)
         self._input_decls = mdef.inputs
         self._slots: list[DeviceArray | None] = [None] * len(mdef.inputs)
         self._pools: list[list[PooledBuffer]] = [[] for _ in mdef.outputs]
-        self._views = [device.empty(t.shape, DTYPES[t.dtype], stream) for t in mdef.outputs] \
-            if not self.clone_outputs else []
+        self._views = [device.empty(t.shape, DTYPES[t.dtype], stream, self._uses)
+                       for t in mdef.outputs] if not self.clone_outputs else []
         self._steps = [self._plan_step(s) for s in mdef.steps]
         self._private_streams: list[Stream] = []
         if program.constants:
             self.last_event = stream.record()  # the constants' upload orders the first execute
             self._last_stream_key = stream.key
+            self._uses[stream.key] = self.last_event
 
     # -- inputs ---------------------------------------------------------------------------
     def set_inputs(self, values: Sequence[Any]) -> None:
@@ -208,14 +212,13 @@ class Method:
             if self.last_event is not None and self._last_stream_key != key:
                 stream.wait(self.last_event)  # rule 4: hand the method over in device order
             env = dict(self._env)
-            readers: list[Result] = []
+            used: list[Buffer] = []  # memory of others this execute touches (rule 8)
             for i, value in enumerate(self._inputs):
                 name = self._input_decls[i].name
                 if isinstance(value, Result):
                     value.wait_on(stream)
                     env[name] = value.array
-                    if value._holder is not None and value.stream_key != key:
-                        readers.append(value)
+                    used.append(value.array.buffer)
                 elif isinstance(value, _Foreign):
                     if value.stream_handle:  # the producer's stream (CAI v3): order after it
                         stream.wait(device.wrap_stream(_Handle(value.stream_handle)).record())
@@ -223,18 +226,22 @@ class Method:
                 else:
                     slot = self._slots[i]
                     if slot is None:
-                        slot = self._slots[i] = device.empty(value.shape, value.dtype, stream)
+                        slot = self._slots[i] = device.empty(value.shape, value.dtype, stream,
+                                                             self._uses)
                     device.copy_from_host(slot, value, stream)
                     env[name] = slot
             outputs = self._take_outputs(stream)
-            for t, (array, _) in zip(self.definition.outputs, outputs, strict=True):
+            for t, (array, pooled) in zip(self.definition.outputs, outputs, strict=True):
                 env[t.name] = array
+                if pooled is not None:
+                    used.append(array.buffer)
             for index, (run, ins, outs) in enumerate(self._steps):
                 step_stream = self._private_stream(index) if _PRIVATE_STREAM_PER_STEP else stream
                 run(step_stream, [env[n] for n in ins], [env[n] for n in outs])
             event = stream.record()
-            for r in readers:
-                r._holder.pooled.add_reader(key, event)
+            for buffer in used:
+                buffer.uses[key] = event
+            self._uses[key] = event
             self.last_event = event
             self._last_stream_key = key
             self.executions += 1

@@ -36,29 +36,26 @@ __all__ = ["PooledBuffer", "Result"]
 class PooledBuffer:
     """One output buffer of a method, with what a writer must wait for before reusing it."""
 
-    __slots__ = ("__weakref__", "array", "export_streams", "exported", "held", "lock", "readers")
+    __slots__ = ("__weakref__", "array", "export_streams", "exported", "held", "lock")
 
     def __init__(self, array: DeviceArray):
         self.array = array
         self.held = False  # a live holder (Result or export) references it
-        self.readers: list[tuple[Any, Event]] = []  # (stream key, event after the read)
         self.exported = False  # handed to another library since its last write
         self.export_streams: list[Stream | None] = []  # consumers' streams, None: unknown
         self.lock = threading.Lock()
 
-    def add_reader(self, stream_key: Any, event: Event) -> None:
-        with self.lock:
-            self.readers = [(k, e) for k, e in self.readers if k != stream_key]
-            self.readers.append((stream_key, event))
-
     def prepare_write(self, stream: Stream) -> None:
         """Order ``stream`` after every use of this buffer elsewhere (rule 8); called by the
-        writer just before it writes the buffer again."""
+        writer just before it writes the buffer again. No Result holds the buffer now, so no
+        new use can appear while this runs."""
+        uses = self.array.buffer.uses
+        pending = list(uses.items())
+        uses.clear()
         with self.lock:
-            readers, self.readers = self.readers, []
             exported, self.exported = self.exported, False
             consumers, self.export_streams = self.export_streams, []
-        for key, event in readers:
+        for key, event in pending:
             if key != stream.key:
                 stream.wait(event)
         if exported:
@@ -165,7 +162,8 @@ class Result:
         stream = current_stream(device)
         dst = device.empty(host.shape if host.ndim else (), host.dtype, stream)
         device.copy_from_host(dst, host, stream)
-        return cls(dst, stream.record(), stream.key)
+        event = dst.buffer.uses[stream.key] = stream.record()
+        return cls(dst, event, stream.key)
 
     # -- interop (zero-copy; see _dlpack and _cuda_array_interface below) -----------------
     def __dlpack__(self, *, stream: Any = None, max_version: Any = None, dl_device: Any = None,

@@ -305,17 +305,25 @@ def test_handoff_to_another_thread_waits_on_the_device(device):
             latch.hold(device.per_thread_stream())
             r1 = m([x1])[0]
 
+        done, finish = threading.Event(), threading.Event()
+
         def other():
             with lock:
                 box["r2"] = m([x2])[0]
+            done.set()
+            # A thread must not end with work still queued on its per-thread stream (on CUDA
+            # that wedges the context), so it stays until the latch is released.
+            finish.wait(10)
 
         t = threading.Thread(target=other)
         t.start()
-        t.join(10)
+        assert done.wait(10)
         r2 = box["r2"]
         time.sleep(0.05)
         assert not r2.ready(), "the handed-off execute ran before the previous one"
         latch.release()
+        finish.set()
+        t.join(10)
     check(p, [x1], [r1])
     check(p, [x2], [r2])
 

@@ -249,3 +249,26 @@ def test_cupy_takes_results_zero_copy(cuda_device):
     np.testing.assert_array_equal(cp.asnumpy(a), 2 * x)
     b = cp.asarray(r)  # __cuda_array_interface__
     np.testing.assert_array_equal(cp.asnumpy(b), 2 * x)
+
+
+@pytest.mark.cuda
+def test_freeing_a_result_waits_for_readers_on_other_streams(cuda_device):
+    """Rule 8 for frees: memory of a dropped Result is not handed back (and reused by the next
+    allocation) while another stream still has a queued read of it."""
+    consumer = scaler((1024, 1024), factor=3.0).method("forward", device=cuda_device)
+    x = rand((1024, 1024))
+    with cuda_device.create_stream() as other, cuda_device.create_latch() as latch:
+        with CallerStream(other):
+            latch.hold(other)
+            r = Result.from_host(x, cuda_device)
+            c = consumer([r])[0]
+            consumer.set_inputs([rand((1024, 1024))])
+        del r
+        gc.collect()
+        clobber = [Result.from_host(np.full((1024, 1024), 7.0, np.float32), cuda_device)
+                   for _ in range(4)]
+        for k in clobber:
+            k.to_host()
+        latch.release()
+        with CallerStream(other):
+            np.testing.assert_array_equal(c.to_host(), 3 * x)

@@ -1,0 +1,98 @@
+"""Shared benchmark plumbing: timing helpers, the results table and the JSON record
+(date, commit, device and every figure) under bench/results/."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, cwd=Path(__file__).parent, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, cwd=Path(__file__).parent,
+                               timeout=10).stdout.strip()
+        return out.stdout.strip() + ("+dirty" if dirty else "") or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def device_info(device: Any) -> dict[str, Any]:
+    info = {"name": device.name, "kind": device.kind, "host": platform.node(),
+            "python": platform.python_version()}
+    for attr in ("device_name", "arch", "total_memory"):
+        if hasattr(device, attr):
+            info[attr] = getattr(device, attr)
+    return info
+
+
+def median_us(fn: Callable[[], Any], repeats: int, inner: int,
+              sync: Callable[[], Any] | None = None) -> float:
+    """Median over ``repeats`` of the per-call host time of ``inner`` calls, in µs."""
+    samples = []
+    for _ in range(repeats):
+        if sync:
+            sync()
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        samples.append((time.perf_counter() - t0) / inner * 1e6)
+    if sync:
+        sync()
+    return statistics.median(samples)
+
+
+def percentile(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q / 100 * len(s)))]
+
+
+class Report:
+    """Collects sections of rows, prints a table per section, writes one JSON file."""
+
+    def __init__(self, name: str, device: Any, quick: bool):
+        self.name = name
+        self.data: dict[str, Any] = {
+            "benchmark": name, "date": datetime.datetime.now(datetime.UTC).isoformat(),
+            "commit": commit(), "device": device_info(device), "quick": quick, "sections": {}}
+
+    def section(self, title: str, rows: list[dict[str, Any]], note: str = "") -> None:
+        self.data["sections"][title] = {"rows": rows, "note": note}
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=title, caption=note or None)
+        keys = list(dict.fromkeys(k for r in rows for k in r))
+        for k in keys:
+            table.add_column(k)
+        for r in rows:
+            table.add_row(*[_fmt(r.get(k)) for k in keys])
+        Console(width=140).print(table)
+
+    def error(self, title: str, exc: BaseException) -> None:
+        self.data["sections"][title] = {"error": repr(exc)}
+        print(f"[{title}] FAILED: {exc!r}")
+
+    def write(self, out: str | None) -> Path:
+        path = Path(out) if out else RESULTS / f"{self.name}-{self.data['device']['kind']}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.data, indent=1, default=str) + "\n")
+        print(f"wrote {path}")
+        return path
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+    return "" if v is None else str(v)

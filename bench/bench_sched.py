@@ -1,0 +1,325 @@
+"""Benchmark of the async scheduler against its peers, in one run (DESIGN.md "Measuring").
+
+(a) await latency of a 1-kernel program: the scheduler from asyncio / uvloop / trio, vs the floor
+    (raw cuda-python launch + cuEventSynchronize, no asyncio), vs the runtime called directly,
+    vs a torch op + asyncio.to_thread(event.synchronize);
+(b) overlap of N independent single-block spin programs (~2 ms each), N = 1, 2, 4, ..., 128: one
+    lane (serial) vs N caller streams vs N lanes, beside raw cuda-python streams;
+(c) throughput: 1,000 concurrent tasks awaiting tiny programs on 4 lanes;
+(d) the cost of a cross-lane after=: a two-job chain on two lanes vs on one lane.
+
+Usage: ``python bench/bench_sched.py [--device auto|host|cuda] [--quick] [--only a,b] [--out F]``
+(sections: latency, overlap, throughput, after). It prints a table per section and writes every
+figure, with the date, commit and device, to ``bench/results/sched-<kind>.json``. GPU figures
+are absolute; host-device figures are only meaningful as ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import importlib.util
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import anyio
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _common import Report
+
+from streamlane.runtime import Program, Result, get_device
+from streamlane.sched import Scheduler
+
+BACKENDS = {"asyncio": ("asyncio", {}), "uvloop": ("asyncio", {"use_uvloop": True}),
+            "trio": ("trio", {})}
+
+
+# -- helpers -----------------------------------------------------------------------------------
+def tiny_program(n: int = 256) -> Program:
+    b = Program.build("tiny")
+    m = b.method("forward", x=("float32", [n]))
+    m.output(m.step("scale", "x", out="y", factor=2.0))
+    return b.finish()
+
+
+def spin_program(us: int, n: int = 1) -> Program:
+    b = Program.build("spin")
+    m = b.method("forward", x=("float32", [n]))
+    m.step("spin", us=us)
+    m.output(m.step("copy", "x", out="y"))
+    return b.finish()
+
+
+def summary(ns: list[int]) -> dict[str, float]:
+    us = np.asarray(ns, dtype=np.float64) / 1e3
+    return {"p50_us": float(np.percentile(us, 50)), "p99_us": float(np.percentile(us, 99)),
+            "mean_us": float(us.mean()), "n": len(ns)}
+
+
+def backends_available() -> list[str]:
+    names = ["asyncio"]
+    if importlib.util.find_spec("uvloop"):
+        names.append("uvloop")
+    if importlib.util.find_spec("trio"):
+        names.append("trio")
+    return names
+
+
+def run_on(backend: str, fn: Any, *args: Any) -> Any:
+    name, options = BACKENDS[backend]
+    return anyio.run(fn, *args, backend=name, backend_options=options)
+
+
+# -- (a) latency -------------------------------------------------------------------------------
+def bench_latency(dev: Any, raw: Any, rep: Report, q: bool) -> None:
+    iters = 200 if q else 2000
+    n = 256
+    method = tiny_program(n).method("forward", device=dev)
+    x = Result.from_host(np.ones(n, np.float32), dev)
+    x.to_host()
+    out: dict[str, Any] = {"iterations": iters}
+    warm = max(50, iters // 10)
+
+    if raw is not None:  # the floor: launch + record + cuEventSynchronize, nothing else
+        stream, event = raw.stream(), raw.event()
+        xp, yp = raw.alloc(4 * n), raw.alloc(4 * n)
+        ns = []
+        for i in range(warm + iters):
+            t = time.perf_counter_ns()
+            raw.twice(stream, xp, yp, n)
+            raw.record(event, stream)
+            raw.sync(event)
+            if i >= warm:
+                ns.append(time.perf_counter_ns() - t)
+        out["raw cuda-python (floor)"] = summary(ns)
+
+    ns = []  # the runtime alone: execute + wait for its event on this thread
+    for i in range(warm + iters):
+        t = time.perf_counter_ns()
+        method([x])
+        method.last_event.synchronize()
+        if i >= warm:
+            ns.append(time.perf_counter_ns() - t)
+    out["streamlane runtime, no asyncio"] = summary(ns)
+
+    async def through_scheduler(timing: bool, spin_us: float) -> list[int]:
+        async with Scheduler(dev, lanes=1, timing=timing, spin_us=spin_us) as sched:
+            for _ in range(warm):
+                await sched.run(method, [x])
+            ns = []
+            for _ in range(iters):
+                t = time.perf_counter_ns()
+                await sched.run(method, [x])
+                ns.append(time.perf_counter_ns() - t)
+            return ns
+
+    for backend in backends_available():
+        for timing, spin in ((False, 0.0), (True, 0.0), (False, 50.0)):
+            label = f"scheduler {backend}" + ("" if not timing else ", timing events") + \
+                (f", spin {spin:g} us" if spin else "")
+            out[label] = summary(run_on(backend, through_scheduler, timing, spin))
+
+    if raw is not None and importlib.util.find_spec("torch"):
+        import torch
+
+        xt = torch.ones(n, device="cuda")
+
+        async def torch_to_thread() -> list[int]:
+            ns = []
+            for i in range(warm + iters):
+                t = time.perf_counter_ns()
+                _ = xt * 2
+                ev = torch.cuda.Event()
+                ev.record()
+                await asyncio.to_thread(ev.synchronize)
+                if i >= warm:
+                    ns.append(time.perf_counter_ns() - t)
+            return ns
+
+        for backend in ("asyncio", "uvloop"):
+            if backend in backends_available():
+                out[f"torch op + to_thread(sync) {backend}"] = summary(
+                    run_on(backend, torch_to_thread))
+    floor = out.get("raw cuda-python (floor)")
+    rows = [{"path": k, "p50_us": v["p50_us"], "p99_us": v["p99_us"], "mean_us": v["mean_us"],
+             "p50_vs_floor": v["p50_us"] / floor["p50_us"] if floor else None}
+            for k, v in out.items() if isinstance(v, dict)]
+    rep.section(f"(a) await latency of a 1-kernel program, {iters} awaits each", rows,
+                "goal: scheduler p50 <= 1.5x the floor. Anchors (H200): floor 14.7 us, torch + "
+                "to_thread 115 us, persistent waiter + call_soon_threadsafe 50 us (uvloop 39)")
+
+
+# -- (b) overlap -------------------------------------------------------------------------------
+def bench_overlap(dev: Any, raw: Any, rep: Report, q: bool) -> None:
+    counts = [1, 2, 4, 8] if q else [1, 2, 4, 8, 16, 32, 64, 128]
+    spin_us, reps = 2000, 2 if q else 3
+    program = spin_program(spin_us)
+    methods = [program.method("forward", device=dev) for _ in range(max(counts))]
+    x = Result.from_host(np.ones(1, np.float32), dev)
+    x.to_host()
+    streams = [dev.create_stream() for _ in range(max(counts))]
+    rows = []
+
+    async def scheduled(n: int, mode: str) -> tuple[float, float]:
+        lanes = n if mode == "lanes" else 1
+        async with Scheduler(dev, lanes=lanes) as sched:
+            await sched.run(methods[0], [x])  # warm
+            walls = []
+            for _ in range(reps):
+                sched.clear_timeline()
+                t = time.perf_counter()
+                jobs = [await sched.submit(methods[i], [x], lane=i if mode == "lanes" else 0,
+                                           stream=streams[i] if mode == "streams" else None)
+                        for i in range(n)]
+                for job in jobs:
+                    await job
+                walls.append(time.perf_counter() - t)
+            return statistics.median(walls), sched.timeline().overlap()
+
+    raw_streams = [raw.stream() for _ in range(max(counts))] if raw is not None else []
+    raw_events = [raw.event() for _ in range(max(counts))] if raw is not None else []
+
+    def raw_wall(n: int, parallel: bool) -> float:
+        walls = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            for i in range(n):
+                s = raw_streams[i if parallel else 0]
+                raw.spin(s, spin_us)
+                raw.record(raw_events[i], s)
+            for i in range(n):
+                raw.sync(raw_events[i])
+            walls.append(time.perf_counter() - t)
+        return statistics.median(walls)
+
+    if raw is not None:
+        raw_wall(2, True)  # warm
+    for n in counts:
+        one, one_overlap = run_on("asyncio", scheduled, n, "one lane")
+        streams_wall, streams_overlap = run_on("asyncio", scheduled, n, "streams")
+        lanes_wall, lanes_overlap = run_on("asyncio", scheduled, n, "lanes")
+        row: dict[str, Any] = {"N": n}
+        if raw is not None:
+            serial, parallel = raw_wall(n, False), raw_wall(n, True)
+            row["raw_streams_speedup"] = serial / parallel
+        row.update({"streams_speedup": one / streams_wall, "lanes_speedup": one / lanes_wall,
+                    "streams_overlap": streams_overlap, "lanes_overlap": lanes_overlap,
+                    "one_lane_ms": one * 1e3, "streams_ms": streams_wall * 1e3,
+                    "lanes_ms": lanes_wall * 1e3, "one_lane_overlap": one_overlap})
+        if raw is not None:
+            row.update({"raw_serial_ms": serial * 1e3, "raw_streams_ms": parallel * 1e3})
+        rows.append(row)
+    rep.section(f"(b) overlap of N single-block spins of {spin_us} us (median of {reps})", rows,
+                "speedups over serial (one lane; raw: one stream); overlap from timing events. "
+                "Goals: >= 1.9x at N=2, >= 7x at N=8, within 10% of raw streams for every N")
+
+
+# -- (c) throughput ----------------------------------------------------------------------------
+def bench_throughput(dev: Any, raw: Any, rep: Report, q: bool) -> None:
+    tasks, per_task, lanes = (200, 5, 4) if q else (1000, 20, 4)
+    program = tiny_program(256)
+    methods = [program.method("forward", device=dev) for _ in range(lanes)]
+    x = Result.from_host(np.ones(256, np.float32), dev)
+    x.to_host()
+    async def storm(timing: bool) -> tuple[float, list[int]]:
+        ns: list[int] = []
+        async with Scheduler(dev, lanes=lanes, timing=timing) as sched:
+            for m in methods:
+                await sched.run(m, [x])
+
+            async def worker(i: int) -> None:
+                m = methods[i % lanes]
+                for _ in range(per_task):
+                    t = time.perf_counter_ns()
+                    await sched.run(m, [x])
+                    ns.append(time.perf_counter_ns() - t)
+
+            t = time.perf_counter()
+            async with anyio.create_task_group() as tg:
+                for i in range(tasks):
+                    tg.start_soon(worker, i)
+            return time.perf_counter() - t, ns
+
+    rows = []
+    for backend in backends_available():
+        for timing in (False, True):
+            wall, ns = run_on(backend, storm, timing)
+            rows.append({"loop": backend, "timing_events": timing,
+                         "programs_per_s": tasks * per_task / wall, "wall_s": wall,
+                         **summary(ns)})
+    rep.section(f"(c) throughput: {tasks} tasks x {per_task} tiny programs on {lanes} lanes",
+                rows, "goal: >= 50,000 programs/s; latency per await of sched.run")
+
+
+# -- (d) cross-lane after= -----------------------------------------------------------------------
+def bench_after(dev: Any, raw: Any, rep: Report, q: bool) -> None:
+    iters = 200 if q else 2000
+    program = tiny_program(256)
+    first, second = (program.method("forward", device=dev) for _ in range(2))
+    x = Result.from_host(np.ones(256, np.float32), dev)
+    x.to_host()
+
+    async def chain(lanes: int) -> list[int]:
+        async with Scheduler(dev, lanes=lanes, timing=False) as sched:
+            ns = []
+            for i in range(iters + 50):
+                t = time.perf_counter_ns()
+                a = await sched.submit(first, [x], lane=0)
+                await sched.run(second, [a.outputs[0]], lane=lanes - 1, after=[a])
+                if i >= 50:
+                    ns.append(time.perf_counter_ns() - t)
+            return ns
+
+    one, two = summary(run_on("asyncio", chain, 1)), summary(run_on("asyncio", chain, 2))
+    rows = [{"placement": "one lane (same stream)", **one},
+            {"placement": "two lanes (after=, device-side wait)", **two},
+            {"placement": "cross-lane cost", "p50_us": two["p50_us"] - one["p50_us"],
+             "p99_us": two["p99_us"] - one["p99_us"]}]
+    rep.section("(d) a two-job chain a -> b (b: after= a, reads its output), from asyncio",
+                rows, "latency of submit(a) + run(b)")
+
+
+# -- main --------------------------------------------------------------------------------------
+SECTIONS = {"latency": bench_latency, "overlap": bench_overlap, "throughput": bench_throughput,
+            "after": bench_after}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="auto", help="auto | host | cuda | cuda:N")
+    parser.add_argument("--quick", action="store_true", help="small sizes: seconds, not minutes")
+    parser.add_argument("--only", default="", help=f"comma-separated: {', '.join(SECTIONS)}")
+    parser.add_argument("--out", default=None,
+                        help="JSON path (default: bench/results/sched-<kind>.json)")
+    args = parser.parse_args(argv)
+    dev = get_device(args.device)
+    rep = Report("sched", dev, args.quick)
+    rep.data["loops"] = backends_available()
+    raw = None
+    if dev.kind == "cuda":
+        try:
+            from _raw_cuda import RawCuda
+
+            raw = RawCuda(dev.index)
+        except Exception as exc:  # report streamlane's figures even if the peer breaks
+            rep.error("raw cuda-python peer", exc)
+    only = [s for s in args.only.split(",") if s] or list(SECTIONS)
+    for name in only:
+        t = time.perf_counter()
+        try:
+            SECTIONS[name](dev, raw, rep, args.quick)
+        except Exception as exc:  # one broken section must not lose the others' figures
+            rep.error(name, exc)
+        rep.data.setdefault("seconds", {})[name] = round(time.perf_counter() - t, 2)
+        gc.collect()
+    rep.write(args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

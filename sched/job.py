@@ -1,0 +1,260 @@
+"""Jobs: one submitted execution of a method, awaitable, carrying its event and outputs.
+
+A job lives on two threads. Its *lane* (a host thread) enqueues it on the device, then
+*publishes* what later jobs need: the completion event and the output Results. A thread that
+must wait for that (rarely: a dependent on another lane) waits on a ``threading.Event`` made
+only for it. The *loop* owns the rest: the awaitable state, set once by the completion path and
+never touched by other threads.
+
+Guarantees:
+- ``event`` and ``results`` are written once, by the lane, before the job is published; a
+  thread that saw it published reads them complete;
+- a job finishes exactly once (done, failed or cancelled); later attempts are ignored, so the
+  completion path and a scheduler breaking can race harmlessly;
+- cancelling an ``await job`` only stops that await: the device work, the job's buffers and the
+  job's outcome are untouched, and another ``await`` sees the outcome.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import anyio
+from anyio.lowlevel import checkpoint
+
+from streamlane.runtime.errors import InvalidArgument, InvalidState
+
+if TYPE_CHECKING:
+    from collections.abc import Generator
+
+    from streamlane.runtime import Event, Method, Result
+
+    from .lane import Lane
+
+__all__ = ["Job", "JobOutput"]
+
+# Guards the hand-over between a publishing lane and a thread about to wait (no lost wake-up);
+# held for a few bytecodes, so one lock serves every job.
+_PUBLISH_LOCK = threading.Lock()
+
+QUEUED, RUNNING, DONE, FAILED, CANCELLED = "queued", "running", "done", "failed", "cancelled"
+
+
+class JobOutput:
+    """Output ``index`` of a job, usable as an input of later submits before the job has run.
+
+    The lane that consumes it waits (on the host, off the event loop) until the producing job is
+    enqueued, then passes its ``Result`` zero-copy; the consumer's stream waits on the producer's
+    event on the device (implicitly, as with ``after=``).
+    """
+
+    __slots__ = ("index", "job")
+
+    def __init__(self, job: Job, index: int):
+        self.job = job
+        self.index = index
+
+    @property
+    def result(self) -> Result:
+        """The ``Result`` (available once the job is enqueued; it may still be pending on the
+        device: ``await job`` first to read it on the host)."""
+        return self.job.results[self.index]
+
+    def __repr__(self) -> str:
+        return f"<JobOutput {self.index} of {self.job!r}>"
+
+
+class JobOutputs(Sequence[JobOutput]):
+    """The outputs of a job, one ``JobOutput`` per output of the method."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self, job: Job, count: int):
+        self._items = tuple(JobOutput(job, i) for i in range(count))
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._items[index]
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self) -> Iterator[JobOutput]:
+        return iter(self._items)
+
+    def __repr__(self) -> str:
+        return f"JobOutputs({list(self._items)!r})"
+
+
+class Job:
+    """One submitted execution. ``await job`` gives its outputs (a list of ``Result``) once the
+    device has finished it. Created by ``Scheduler.submit``, never directly."""
+
+    __slots__ = (
+        "__weakref__",
+        "_device_waits",
+        "_done",
+        "_enqueue_error",
+        "_error",
+        "_finished",
+        "_host_waits",
+        "_inputs",
+        "_is_published",
+        "_publish_event",
+        "_retrieved",
+        "_start_event",
+        "_state",
+        "_stream_key",
+        "event",
+        "id",
+        "lane",
+        "method",
+        "name",
+        "outputs",
+        "results",
+        "span",
+        "stream",
+        "track",
+    )
+
+    def __init__(self, id: int, method: Method, inputs: list[Any], lane: Lane, stream: Any,
+                 host_waits: tuple[Job, ...], device_waits: tuple[Job, ...]):
+        self.id = id
+        self.method = method
+        self.name: str = method.name
+        self.lane = lane
+        self.stream = stream
+        self.outputs = JobOutputs(self, len(method.definition.outputs))
+        # Written by the lane before it publishes the job:
+        self.event: Event | None = None
+        self.results: list[Result] | None = None
+        self.span: tuple[float, float] | None = None  # device start/end, s after the reference
+        self.track: str | None = None  # the timeline row: "lane 0", "lane 0 stream 0x10"
+        self._start_event: Event | None = None
+        self._stream_key: Any = None
+        self._enqueue_error: BaseException | None = None
+        self._is_published = False
+        self._publish_event: threading.Event | None = None  # made only if someone must wait
+        # Read by the lane, dropped once enqueued, so a long chain of after= jobs does not keep
+        # every earlier job (and its buffers) alive:
+        self._inputs: list[Any] | None = inputs
+        self._host_waits = host_waits
+        self._device_waits = device_waits
+        # Loop side:
+        self._done = anyio.Event()
+        self._finished = False
+        self._state = QUEUED
+        self._error: BaseException | None = None
+        self._retrieved = False
+
+    # -- public state ---------------------------------------------------------------------
+    @property
+    def state(self) -> str:
+        """``queued`` (waiting for its lane), ``running`` (enqueued on the device), ``done``,
+        ``failed`` or ``cancelled`` (never ran: the scheduler left on an error)."""
+        if self._finished:
+            return self._state
+        return RUNNING if self._is_published and self._enqueue_error is None else QUEUED
+
+    def done(self) -> bool:
+        """True once the job has finished, whatever the outcome (never blocks)."""
+        return self._finished
+
+    def exception(self) -> BaseException | None:
+        """The error of a finished job, or None (raises ``InvalidState`` while it runs)."""
+        if not self._finished:
+            raise InvalidState(f"{self!r} has not finished; await it first")
+        self._retrieved = True
+        return self._error
+
+    async def wait(self) -> list[Result]:
+        """``await job`` and ``await job.wait()`` are equivalent: wait until the device has
+        finished the job and return its outputs.
+
+        Raises the job's error: ``DeviceError`` (``SchedulerBroken``) if the device failed,
+        ``SchedulerClosed`` if it was cancelled before running, ``DependencyFailed``, or the
+        runtime's error (e.g. ``InvalidInput``) if its inputs were refused.
+
+        **Cancellation**: cancelling this await only stops waiting. The job is not cancelled:
+        its device work runs to completion, its buffers stay alive until then, and the
+        scheduler releases them in the background.
+        """
+        if self._finished:
+            await checkpoint()
+        else:
+            await self._done.wait()
+        self._retrieved = True
+        if self._error is not None:
+            raise self._error
+        assert self.results is not None
+        return list(self.results)
+
+    def __await__(self) -> Generator[Any, None, list[Result]]:
+        return self.wait().__await__()
+
+    # -- lane side ------------------------------------------------------------------------
+    def _published(self, timeout: float | None) -> bool:
+        if self._is_published:
+            return True
+        with _PUBLISH_LOCK:
+            if self._is_published:
+                return True
+            if self._publish_event is None:
+                self._publish_event = threading.Event()
+            event = self._publish_event
+        return event.wait(timeout)
+
+    def _publish(self, event: Event | None, results: list[Result] | None,
+                 error: BaseException | None) -> None:
+        self.event = event
+        self.results = results
+        self._enqueue_error = error
+        self._inputs = None
+        self._host_waits = self._device_waits = ()
+        with _PUBLISH_LOCK:
+            self._is_published = True
+            event = self._publish_event
+        if event is not None:
+            event.set()
+
+    # -- loop side ------------------------------------------------------------------------
+    def _finish(self, state: str, error: BaseException | None = None) -> bool:
+        """Settle the job (loop thread only). Returns False if it was already settled."""
+        if self._finished:
+            return False
+        self._finished = True
+        self._state = state
+        self._error = error
+        if state != DONE:
+            self.results = None  # a failed job's outputs are garbage: let their buffers go
+        self._start_event = None
+        self._done.set()
+        return True
+
+    def __repr__(self) -> str:
+        where = f"lane={self.lane.index}"
+        if self.stream is not None:
+            where += " caller-stream"
+        return f"<Job {self.name} {where} {self.state}>"
+
+
+def check_jobs(after: Any, device: Any) -> tuple[Job, ...]:
+    """Validate ``after=``: an iterable of Jobs on ``device``."""
+    if isinstance(after, Job):
+        after = (after,)
+    try:
+        jobs = tuple(after)
+    except TypeError:
+        raise InvalidArgument(f"after= takes an iterable of Jobs, got "
+                              f"{type(after).__name__}") from None
+    for i, job in enumerate(jobs):
+        if not isinstance(job, Job):
+            raise InvalidArgument(f"after[{i}] must be a Job (from Scheduler.submit), got "
+                                  f"{type(job).__name__}")
+        if job.method.device is not device:
+            raise InvalidArgument(f"after[{i}] is {job!r} on {job.method.device.name}, but this "
+                                  f"job runs on {device.name}; a stream can only wait on events "
+                                  f"of its own device (await that job instead)")
+    return jobs
+

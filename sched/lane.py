@@ -1,0 +1,318 @@
+"""Lanes: one dedicated host thread that enqueues jobs, and one that waits for them.
+
+The *lane thread* takes jobs from its queue in submission order and runs each on its per-thread
+stream (``current_stream`` with no caller stream), or under ``CallerStream(job.stream)``. Before a
+job runs it waits, on the host and off the event loop, until every job it depends on has been
+*enqueued* (not completed) and then makes its stream wait for their events on the device.
+
+The *waiter thread* waits for the lane's jobs to complete, in order, with the GIL released
+(``Event.synchronize``), then hands every job it finds complete to the loop in one wakeup. Jobs
+on one lane's stream complete in order, so waiting in order never holds a finished job behind an
+unfinished one; jobs under a caller stream may finish out of order and are reported once the
+jobs before them on the lane are.
+
+Guarantees:
+- no Python runs inside a driver callback: every wait happens on the waiter thread;
+- a lane thread never blocks on the event loop, and the loop never blocks on a lane;
+- a job's dependencies are enqueued before it (``after=`` jobs and the producers of its inputs are
+  submitted first, and a lane runs its queue in order), so the host-side wait always ends;
+- a job that fails before reaching the device publishes its error, so its dependents fail with
+  ``DependencyFailed`` instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from streamlane.runtime import CallerStream, Device, Event, current_stream
+from streamlane.runtime.errors import DeviceError
+from streamlane.runtime.stream import no_caller_stream
+
+from .errors import DependencyFailed, SchedulerClosed
+from .job import CANCELLED, FAILED, Job, JobOutput
+from .timeline import Span
+
+if TYPE_CHECKING:
+    import anyio
+
+    from ._wakeup import LoopWaker
+
+__all__ = ["Lane", "LaneStatistics"]
+
+_POLL_S = 0.05  # how often a blocked lane re-checks whether the scheduler is closing
+
+
+@dataclass(frozen=True)
+class LaneStatistics:
+    """One lane's counters: jobs ``queued`` for the lane thread, ``in_flight`` on the device,
+    ``completed`` (finished, whatever the outcome), and ``busy_time_s``, the sum of its jobs'
+    device durations (timing events; 0 when the scheduler runs with ``timing=False``)."""
+
+    lane: int
+    queued: int
+    in_flight: int
+    completed: int
+    busy_time_s: float
+
+
+class _Core(Protocol):
+    """What a lane needs from its scheduler (see ``Scheduler``)."""
+
+    waker: LoopWaker
+    timing: bool
+    spin_s: float
+    reference: Event | None
+
+    @property
+    def cancelling(self) -> bool: ...
+    def broken_error(self) -> BaseException | None: ...
+    def break_(self, error: BaseException, job: Job) -> None: ...
+    def finish(self, job: Job, state: str, error: BaseException | None) -> None: ...
+    def finish_batch(self, jobs: list[Job], error: BaseException | None) -> None: ...
+    def record_span(self, span: Span) -> None: ...
+
+
+class Lane:
+    """A lane of a ``Scheduler``: ``sched.lanes[i]``. Its repr shows its state."""
+
+    def __init__(self, core: _Core, index: int, device: Device, queue_size: int):
+        self.index = index
+        self.device = device
+        self.queue_size = queue_size
+        self._core = core
+        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._completions: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._queued = self._in_flight = self._completed = 0
+        self._busy_s = 0.0
+        self.stream_handle: int | None = None
+        self.startup_error: BaseException | None = None
+        # Loop side (set up by the scheduler inside the running loop):
+        self.slots: anyio.Semaphore | None = None
+        self.ready: anyio.Event | None = None
+        self.exited: anyio.Event | None = None
+        self.outstanding = 0
+        self.methods_bound = 0
+        self.thread = threading.Thread(target=self._run_lane, daemon=True,
+                                       name=f"streamlane-lane-{index}")
+        self.waiter = threading.Thread(target=self._run_waiter, daemon=True,
+                                       name=f"streamlane-wait-{index}")
+
+    # -- loop side --------------------------------------------------------------------------
+    def start(self) -> None:
+        self.thread.start()
+        self.waiter.start()
+
+    def put(self, job: Job) -> None:
+        with self._lock:
+            self._queued += 1
+        self._jobs.put(job)
+
+    def stop(self) -> None:
+        """Let the threads exit once the queue is empty (they post ``exited``)."""
+        self._jobs.put(None)
+
+    def join(self) -> None:
+        self.thread.join()
+        self.waiter.join()
+
+    def statistics(self) -> LaneStatistics:
+        with self._lock:
+            return LaneStatistics(self.index, self._queued, self._in_flight, self._completed,
+                                  self._busy_s)
+
+    def __repr__(self) -> str:
+        with self._lock:
+            queued, in_flight = self._queued, self._in_flight
+        state = f"{queued} queued"
+        if in_flight:
+            state += f", {in_flight} in flight"
+        if not self.thread.is_alive() and self.thread.ident is not None:
+            state += ", stopped"
+        return f"<Lane {self.index} {self.device.name}, {state}>"
+
+    # -- lane thread ------------------------------------------------------------------------
+    def _run_lane(self) -> None:
+        core = self._core
+        try:
+            with no_caller_stream():
+                try:
+                    stream = current_stream(self.device)
+                    self.stream_handle = stream.handle
+                    if self.index == 0 and core.timing:
+                        # The common origin of every span: complete before any job runs.
+                        ref = stream.record(self.device.create_event(timing=True))
+                        ref.synchronize()
+                        core.reference = ref
+                except BaseException as exc:  # reported by Scheduler.__aenter__
+                    self.startup_error = exc
+                    return
+                finally:
+                    assert self.ready is not None
+                    core.waker.post(self.ready.set)
+                while (job := self._jobs.get()) is not None:
+                    self._execute(job, stream)
+        finally:
+            self._completions.put(None)
+
+    def _execute(self, job: Job, lane_stream: Any) -> None:
+        core = self._core
+        broken = core.broken_error()
+        if broken is not None:
+            return self._not_run(job, FAILED, broken)
+        if core.cancelling:
+            return self._not_run(job, CANCELLED, SchedulerClosed(
+                f"{job!r} was cancelled before it ran: the scheduler left its async with block "
+                f"on an error"))
+        guard = None
+        try:
+            for dep in job._host_waits:
+                self._wait_published(dep)
+                if dep._enqueue_error is not None:
+                    raise DependencyFailed(job, dep, dep._enqueue_error) \
+                        from dep._enqueue_error
+            assert job._inputs is not None
+            inputs = [v.job.results[v.index] if isinstance(v, JobOutput) else v
+                      for v in job._inputs]
+            stream = lane_stream
+            if job.stream is not None:
+                guard = CallerStream(job.stream)
+                guard.__enter__()
+                stream = current_stream(self.device)
+            for dep in job._device_waits:  # no host round trip: the stream waits on the device
+                if dep.event is not None and dep._stream_key != stream.key:
+                    stream.wait(dep.event)
+            device = self.device
+            start = stream.record(device.create_event(timing=True)) if core.timing else None
+            method = job.method
+            method.set_inputs(inputs)
+            method.execute()
+            results = method.get_outputs()
+            end = stream.record(device.create_event(timing=core.timing))
+            job._start_event = start
+            job._stream_key = stream.key
+            track = f"lane {self.index}" if job.stream is None else \
+                f"lane {self.index} stream {stream.handle:#x}"
+        except DeviceError as exc:
+            core.break_(exc, job)
+            return self._not_run(job, FAILED, core.broken_error() or exc)
+        except BaseException as exc:  # the job's own error (bad input, closed stream, ...)
+            return self._not_run(job, FAILED, exc)
+        finally:
+            if guard is not None:
+                guard.__exit__(None, None, None)
+        with self._lock:
+            self._queued -= 1
+            self._in_flight += 1
+        job.track = track
+        job._publish(end, results, None)
+        self._completions.put(job)
+        return None
+
+    def _wait_published(self, dep: Job) -> None:
+        core = self._core
+        while not dep._published(_POLL_S):
+            error = core.broken_error()
+            if error is not None:
+                raise error
+            # When cancelling, the dependency is cancelled too and publishes shortly.
+
+    def _not_run(self, job: Job, state: str, error: BaseException) -> None:
+        with self._lock:
+            self._queued -= 1
+            self._completed += 1
+        job._publish(None, None, error)
+        self._core.waker.post(_Call(self._core.finish, job, state, error))
+
+    # -- waiter thread ----------------------------------------------------------------------
+    def _run_waiter(self) -> None:
+        core = self._core
+        held: Job | None = None
+        try:
+            while True:
+                job = held if held is not None else self._completions.get()
+                held = None
+                if job is None:
+                    break
+                error: BaseException | None = None
+                try:
+                    self._wait(job)
+                except BaseException as exc:
+                    error = exc
+                batch = [job]
+                if error is None:  # everything else already complete rides the same wakeup
+                    while True:
+                        try:
+                            nxt = self._completions.get_nowait()
+                        except queue.Empty:
+                            break
+                        if nxt is None or not _complete(nxt):
+                            held = nxt
+                            break
+                        batch.append(nxt)
+                busy = self._spans(batch) if error is None and core.timing else 0.0
+                with self._lock:
+                    self._in_flight -= len(batch)
+                    self._completed += len(batch)
+                    self._busy_s += busy
+                if error is not None:
+                    core.break_(error, job)
+                    error = core.broken_error() or error
+                core.waker.post(_Call(core.finish_batch, batch, error))
+        finally:
+            if self.exited is not None:
+                core.waker.post(self.exited.set)
+
+    def _wait(self, job: Job) -> None:
+        event = job.event
+        assert event is not None
+        spin_s = self._core.spin_s
+        if spin_s > 0:  # a short spin lowers latency where the wake-up of a blocked wait is slow
+            deadline = time.perf_counter() + spin_s
+            while time.perf_counter() < deadline:
+                if event.query():
+                    return
+        event.synchronize()
+
+    def _spans(self, batch: list[Job]) -> float:
+        core = self._core
+        ref = core.reference
+        busy = 0.0
+        for job in batch:
+            start, end = job._start_event, job.event
+            if ref is None or start is None or end is None:
+                continue
+            try:
+                t0 = ref.elapsed_ms(start) / 1e3
+                t1 = ref.elapsed_ms(end) / 1e3
+            except Exception:  # timing is best effort; it never fails a job
+                continue
+            job.span = (t0, t1)
+            busy += t1 - t0
+            core.record_span(Span(job.id, job.name, self.index, job.track, t0, t1))
+        return busy
+
+
+def _complete(job: Job) -> bool:
+    try:
+        return job.event is not None and job.event.query()
+    except Exception:  # a device error: the blocking wait reports it
+        return False
+
+
+class _Call:
+    """A callback with its arguments (cheaper and clearer than a closure per job)."""
+
+    __slots__ = ("args", "fn")
+
+    def __init__(self, fn: Callable[..., object], *args: Any):
+        self.fn = fn
+        self.args = args
+
+    def __call__(self) -> None:
+        self.fn(*self.args)

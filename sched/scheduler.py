@@ -1,0 +1,390 @@
+"""The scheduler: await device programs from asyncio, uvloop or trio (through anyio).
+
+::
+
+    async with Scheduler(device=dev, lanes=2) as sched:
+        enc = await sched.submit(encoder, [x], lane=0)            # a Job, once queued
+        out = await sched.run(decoder, [enc.outputs[0]], lane=1, after=[enc])
+        print(sched.timeline().overlap())
+
+Guarantees:
+- the event loop never blocks on the device or on a lane: submitting puts a job on a lane's
+  queue, and completions come back through one coalesced thread-safe wakeup (``LoopWaker``);
+- a method stays on the lane it was first submitted to, so its executes keep one thread's order;
+  ``lane=`` moves it explicitly, and the move waits (host side, off the loop) until the method's
+  previous job is enqueued, after which the runtime's rule 4 orders it on the device;
+- a job that consumes another job's output (``JobOutput``) waits for it on the device, as if the
+  producer were in ``after=``;
+- each lane holds at most ``queue_size`` jobs (queued or in flight): a full lane makes
+  ``submit`` wait;
+- a device error fails every pending job with ``DeviceError`` (``SchedulerBroken``), and every
+  later ``submit`` raises it at once;
+- leaving the ``async with`` block drains pending jobs (or, on an error, cancels those not yet
+  enqueued and waits for those on the device), then joins every thread it started.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from collections import deque
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any
+
+import anyio
+import numpy as np
+from anyio.lowlevel import checkpoint_if_cancelled
+
+from streamlane.runtime import CallerStream, Device, Event, Method, Result, Stream, get_device
+from streamlane.runtime.errors import InvalidArgument, InvalidState
+
+from ._wakeup import LoopWaker
+from .errors import SchedulerBroken, SchedulerClosed
+from .job import CANCELLED, DONE, FAILED, Job, JobOutput, check_jobs
+from .lane import Lane, LaneStatistics
+from .timeline import Span, Timeline
+
+__all__ = ["Scheduler"]
+
+_NEW, _OPEN, _CLOSING, _CLOSED = "new", "open", "closing", "closed"
+
+
+class _MethodState:
+    __slots__ = ("lane", "last")
+
+    def __init__(self, lane: Lane, last: weakref.ref[Job]):
+        self.lane = lane
+        self.last = last
+
+
+class Scheduler:
+    """Lanes (dedicated host threads) that run methods on a device, awaited from async code.
+
+    ``device``: a Device or a name for ``get_device`` (default: auto). ``lanes``: how many lane
+    threads. ``queue_size``: the most jobs one lane holds, queued or in flight. ``timing``:
+    record timing events around every job (``timeline()``, ``busy_time_s``); turn it off to shave
+    two event records per job. ``spin_us``: how long a waiter polls an event before blocking on
+    it. ``timeline_size``: how many recent spans ``timeline()`` keeps.
+    """
+
+    def __init__(self, device: Device | str | None = None, lanes: int = 2, *,
+                 queue_size: int = 1024, timing: bool = True, spin_us: float = 0.0,
+                 timeline_size: int = 100_000):
+        self.device: Device = device if isinstance(device, Device) else get_device(device)
+        for name, value, low in (("lanes", lanes, 1), ("queue_size", queue_size, 1),
+                                 ("timeline_size", timeline_size, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise InvalidArgument(f"Scheduler: {name} must be an int >= {low}, got {value!r}")
+        if isinstance(spin_us, bool) or not isinstance(spin_us, (int, float)) or not (
+                0 <= spin_us <= 1e6):
+            raise InvalidArgument(f"Scheduler: spin_us must be a number of microseconds in "
+                                  f"[0, 1e6], got {spin_us!r}")
+        if not isinstance(timing, bool):
+            raise InvalidArgument(f"Scheduler: timing must be a bool, got {timing!r}")
+        self.queue_size = queue_size
+        self.timing = timing
+        self.spin_s = spin_us / 1e6
+        self.reference: Event | None = None
+        self.lanes: tuple[Lane, ...] = tuple(Lane(self, i, self.device, queue_size)
+                                             for i in range(lanes))
+        self.waker: LoopWaker  # set on entry, inside the running loop
+        self._state = _NEW
+        self._cancelling = False
+        self._broken: SchedulerBroken | None = None
+        self._broken_lock = threading.Lock()
+        self._pending: set[Job] = set()
+        self._unobserved: list[Job] = []  # failed jobs whose error nobody may have seen
+        self._methods: weakref.WeakKeyDictionary[Method, _MethodState] = \
+            weakref.WeakKeyDictionary()
+        self._ids = itertools.count()
+        self._spans: deque[Span] = deque(maxlen=timeline_size)
+
+    # -- context ----------------------------------------------------------------------------
+    async def __aenter__(self) -> Scheduler:
+        """``async with Scheduler(...) as sched:`` is equivalent to ``sched = await
+        Scheduler(...).__aenter__()``: start the lane and waiter threads and return once every
+        lane is ready.
+
+        **Cancellation**: if cancelled while lanes start, the threads are stopped and joined
+        before the cancellation propagates.
+        """
+        if self._state != _NEW:
+            raise InvalidState(f"{self!r} was already entered; create a new Scheduler")
+        self.waker = LoopWaker()
+        self._state = _OPEN
+        for lane in self.lanes:
+            lane.slots = anyio.Semaphore(self.queue_size)
+            lane.ready, lane.exited = anyio.Event(), anyio.Event()
+            lane.start()
+        try:
+            for lane in self.lanes:
+                await lane.ready.wait()
+            errors = [lane.startup_error for lane in self.lanes if lane.startup_error]
+            if errors:
+                raise errors[0]
+        except BaseException:
+            await self._close(error=True)
+            raise
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> None:
+        """Leaving ``async with`` normally is equivalent to ``await sched.aclose()``; leaving on
+        an error cancels the jobs not yet enqueued, waits for those on the device, joins the
+        threads and lets the error go on.
+
+        **Cancellation**: shielded. Enqueued device work cannot be recalled, so exit waits for
+        it before joining the threads; a cancelled exit still leaves nothing running.
+        """
+        await self._close(error=exc_type is not None)
+
+    async def aclose(self) -> None:
+        """``await sched.aclose()`` is equivalent to leaving ``async with sched:`` normally:
+        drain every pending job, then stop and join every thread. A second call is a no-op.
+
+        Raises the first error of a failed job that nobody observed (by awaiting the job or
+        calling ``job.exception()``), so a device failure is never lost silently.
+
+        **Cancellation**: shielded: it returns only once every thread has been joined.
+        """
+        await self._close(error=False)
+
+    async def _close(self, error: bool) -> None:
+        if self._state in (_CLOSED, _CLOSING):
+            return
+        if self._state == _NEW:
+            self._state = _CLOSED
+            return
+        self._state = _CLOSING
+        with anyio.CancelScope(shield=True):
+            if error:
+                self._cancelling = True
+            while self._pending:
+                await next(iter(self._pending))._done.wait()
+            for lane in self.lanes:
+                lane.stop()
+            for lane in self.lanes:
+                if lane.thread.ident is not None:
+                    assert lane.exited is not None
+                    await lane.exited.wait()
+                lane.join()
+            self._state = _CLOSED
+        if not error:
+            unobserved = [job for job in self._unobserved if not job._retrieved]
+            self._unobserved.clear()
+            if unobserved:
+                first = unobserved[0]
+                first._retrieved = True
+                raise first._error  # type: ignore[misc]
+
+    # -- submitting ---------------------------------------------------------------------------
+    async def submit(self, method: Method, inputs: Sequence[Any], *, lane: int | None = None,
+                     after: Sequence[Job] = (), stream: Any = None) -> Job:
+        """``job = await sched.submit(m, xs, lane=i)`` is equivalent to ``m.set_inputs(xs);
+        m.execute()`` run by lane ``i``'s thread, without waiting for the device: it queues one
+        execution of ``method`` and returns its ``Job``.
+
+        ``lane=None`` keeps the method on its lane (or picks the least loaded lane for a new
+        method); ``lane=i`` moves it. ``after=[jobs]`` makes the job's stream wait on those jobs
+        on the device (no host round trip). ``stream=`` runs it under ``CallerStream(stream)``
+        (a Stream of this device, or any object with ``__cuda_stream__``). Inputs are numpy
+        arrays (copied now, so the caller may reuse them), Results, or ``JobOutput``s of
+        earlier jobs (``job.outputs[i]``), which are ordered like ``after=``.
+
+        Returns once the job is on its lane's queue, waiting while the lane is full.
+
+        **Cancellation**: if cancelled while waiting for room on the lane, nothing was
+        submitted. Once it returns, the job is the scheduler's: it will run.
+        """
+        await checkpoint_if_cancelled()
+        self._check_open()
+        if not isinstance(method, Method):
+            raise InvalidArgument(f"submit() takes a Method (program.method(name, device=...)), "
+                                  f"got {type(method).__name__}")
+        if method.device is not self.device:
+            raise InvalidArgument(f"{method.name} is bound to {method.device.name}, but this "
+                                  f"scheduler runs {self.device.name}; bind it with "
+                                  f"program.method(name, device=scheduler.device)")
+        if not isinstance(inputs, (list, tuple)):
+            raise InvalidArgument(f"submit({method.name}): inputs must be a list, got "
+                                  f"{type(inputs).__name__}")
+        values = [self._check_input(method, i, v) for i, v in enumerate(inputs)]
+        after_jobs = check_jobs(after, self.device)
+        if stream is not None:
+            self._check_stream(stream)
+        target = self._pick_lane(method, lane)
+        assert target.slots is not None
+        try:
+            target.slots.acquire_nowait()
+        except anyio.WouldBlock:
+            await target.slots.acquire()
+        try:
+            self._check_open()  # it may have closed or broken while we waited for room
+        except BaseException:
+            target.slots.release()
+            raise
+        return self._enqueue(method, values, target, after_jobs, stream)
+
+    async def run(self, method: Method, inputs: Sequence[Any], *, lane: int | None = None,
+                  after: Sequence[Job] = (), stream: Any = None) -> list[Result]:
+        """``await sched.run(m, xs, **kw)`` is equivalent to ``await (await sched.submit(m, xs,
+        **kw))``: submit and wait for the outputs.
+
+        **Cancellation**: cancelled before the job is queued, nothing runs; cancelled after,
+        the job runs to completion in the background and its buffers are released then.
+        """
+        job = await self.submit(method, inputs, lane=lane, after=after, stream=stream)
+        return await job
+
+    def _enqueue(self, method: Method, values: list[Any], lane: Lane, after: tuple[Job, ...],
+                 stream: Any) -> Job:
+        producers = tuple(v.job for v in values if isinstance(v, JobOutput))
+        device_waits = tuple(dict.fromkeys((*after, *producers)))
+        host_waits = [j for j in device_waits if j.lane is not lane]
+        state = self._methods.get(method)
+        previous = state.last() if state is not None else None
+        if previous is not None and previous.lane is not lane and previous not in host_waits:
+            host_waits.append(previous)  # one thread at a time drives a method
+        job = Job(next(self._ids), method, values, lane, stream, tuple(host_waits), device_waits)
+        if state is None:
+            self._methods[method] = _MethodState(lane, weakref.ref(job))
+            lane.methods_bound += 1
+        else:
+            if state.lane is not lane:
+                state.lane.methods_bound -= 1
+                lane.methods_bound += 1
+                state.lane = lane
+            state.last = weakref.ref(job)
+        self._pending.add(job)
+        lane.outstanding += 1
+        lane.put(job)
+        return job
+
+    def _pick_lane(self, method: Method, lane: int | None) -> Lane:
+        if lane is not None:
+            if isinstance(lane, bool) or not isinstance(lane, int) or not (
+                    0 <= lane < len(self.lanes)):
+                raise InvalidArgument(f"lane must be an int in 0..{len(self.lanes) - 1} (or None "
+                                      f"to keep the method's lane), got {lane!r}")
+            return self.lanes[lane]
+        state = self._methods.get(method)
+        if state is not None:
+            return state.lane
+        return min(self.lanes, key=lambda ln: (ln.outstanding, ln.methods_bound, ln.index))
+
+    def _check_input(self, method: Method, index: int, value: Any) -> Any:
+        if isinstance(value, JobOutput):
+            if value.job.method.device is not self.device:
+                raise InvalidArgument(f"input {index} of {method.name}: {value!r} lives on "
+                                      f"{value.job.method.device.name}, not {self.device.name}")
+            return value
+        if isinstance(value, np.ndarray):
+            return value.copy()  # the lane reads it later; the caller may reuse it right away
+        return value
+
+    def _check_stream(self, stream: Any) -> None:
+        CallerStream(stream)  # raises InvalidArgument for anything that is not a stream
+        if isinstance(stream, Stream):
+            if stream.device is not self.device:
+                raise InvalidArgument(f"stream= {stream!r} belongs to {stream.device.name}, "
+                                      f"but this scheduler runs {self.device.name}")
+            if stream.kind == "per-thread":
+                raise InvalidArgument(f"stream= {stream!r} is a per-thread stream, usable only "
+                                      f"from its own thread; pass device.create_stream()")
+            if stream.closed:
+                raise InvalidArgument(f"stream= {stream!r} is closed")
+
+    def _check_open(self) -> None:
+        if self._broken is not None:
+            raise self.broken_error() from self._broken.__cause__
+        if self._state == _NEW:
+            raise InvalidState("submit() before the scheduler started: use "
+                               "`async with Scheduler(...) as sched:`")
+        if self._state != _OPEN:
+            raise SchedulerClosed(f"{self!r} is closed; no new work is accepted")
+
+    # -- called by lanes ----------------------------------------------------------------------
+    @property
+    def cancelling(self) -> bool:
+        return self._cancelling
+
+    def broken_error(self) -> SchedulerBroken | None:
+        """A fresh copy of the error that broke the scheduler, or None (thread-safe)."""
+        broken = self._broken
+        if broken is None:
+            return None
+        copy = SchedulerBroken(str(broken))
+        copy.code = broken.code
+        copy.__cause__ = broken.__cause__
+        return copy
+
+    def break_(self, error: BaseException, job: Job) -> None:
+        """Mark the scheduler broken by ``error`` (any thread); fails every pending job."""
+        with self._broken_lock:
+            if self._broken is not None:
+                return
+            broken = SchedulerBroken(
+                f"the scheduler is broken: the device failed while {job.name} (job {job.id}) "
+                f"ran on lane {job.lane.index}: {error}. Every pending job failed and no new "
+                f"work is accepted; leave the scheduler and recover the device (a CUDA context "
+                f"error needs a new process)")
+            broken.code = getattr(error, "code", None)
+            broken.__cause__ = error
+            self._broken = broken
+        self.waker.post(self._fail_pending)
+
+    def _fail_pending(self) -> None:
+        for job in list(self._pending):
+            self.finish(job, FAILED, self.broken_error())
+
+    def finish(self, job: Job, state: str, error: BaseException | None) -> None:
+        """Settle ``job`` (loop thread)."""
+        if not job._finish(state, error):
+            return
+        self._pending.discard(job)
+        lane = job.lane
+        lane.outstanding -= 1
+        assert lane.slots is not None
+        lane.slots.release()
+        if error is not None and state != CANCELLED:
+            self._unobserved.append(job)
+
+    def finish_batch(self, jobs: list[Job], error: BaseException | None) -> None:
+        for job in jobs:
+            if error is None:
+                self.finish(job, DONE, None)
+            else:
+                self.finish(job, FAILED, self.broken_error() or error)
+
+    def record_span(self, span: Span) -> None:
+        self._spans.append(span)  # deque.append is atomic: waiters of every lane call it
+
+    # -- observing ----------------------------------------------------------------------------
+    @property
+    def broken(self) -> SchedulerBroken | None:
+        """The error that broke the scheduler, or None."""
+        return self._broken
+
+    @property
+    def pending(self) -> int:
+        """Jobs submitted and not yet finished."""
+        return len(self._pending)
+
+    def statistics(self) -> tuple[LaneStatistics, ...]:
+        """A frozen snapshot of every lane's counters."""
+        return tuple(lane.statistics() for lane in self.lanes)
+
+    def timeline(self) -> Timeline:
+        """The device spans of the recent jobs (up to ``timeline_size``), as a ``Timeline``."""
+        return Timeline(list(self._spans), self.device.name)
+
+    def clear_timeline(self) -> None:
+        """Forget the spans recorded so far (to measure one phase of a longer run)."""
+        self._spans.clear()
+
+    def __repr__(self) -> str:
+        state = "broken" if self._broken is not None else self._state
+        return (f"<Scheduler {self.device.name}, {len(self.lanes)} lanes, {state}, "
+                f"{len(self._pending)} pending>")

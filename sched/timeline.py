@@ -1,0 +1,146 @@
+"""Timelines: when each job ran on the device, measured with timing events.
+
+Each job's span runs from a timing event recorded on its stream just before its execute to one
+recorded just after, both read against one reference event recorded when the scheduler started.
+So spans of different lanes and streams share one clock (the device's), and the overlap factor
+is measured, not inferred: ``overlap() = sum of job durations / length of their union``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["Span", "Timeline"]
+
+
+@dataclass(frozen=True)
+class Span:
+    """One job on the device: seconds since the scheduler's reference event."""
+
+    job: int
+    name: str
+    lane: int
+    track: str  # "lane 0" (its per-thread stream) or "lane 0 stream 0x10" (a caller stream)
+    start_s: float
+    end_s: float
+
+    @property
+    def duration_s(self) -> float:
+        return self.end_s - self.start_s
+
+
+class Timeline:
+    """An immutable snapshot of spans (``Scheduler.timeline()``)."""
+
+    def __init__(self, spans: Iterable[Span], device: str = ""):
+        self.spans: tuple[Span, ...] = tuple(sorted(spans, key=lambda s: (s.start_s, s.job)))
+        self.device = device
+
+    def __len__(self) -> int:
+        return len(self.spans)
+
+    def __iter__(self) -> Iterator[Span]:
+        return iter(self.spans)
+
+    def tracks(self) -> list[str]:
+        """The rows: one per lane, plus one per caller stream used on a lane."""
+        first = {}
+        for s in self.spans:
+            first.setdefault(s.track, (s.lane, s.track != f"lane {s.lane}", s.track))
+        return [t for t, _ in sorted(first.items(), key=lambda kv: kv[1])]
+
+    def busy_s(self) -> float:
+        """The sum of job durations."""
+        return sum(s.duration_s for s in self.spans)
+
+    def union_s(self) -> float:
+        """The time at least one job was running (the union of the spans)."""
+        total, end = 0.0, float("-inf")
+        for s in self.spans:  # sorted by start
+            if s.end_s <= end:
+                continue
+            total += s.end_s - max(s.start_s, end)
+            end = s.end_s
+        return total
+
+    def wall_s(self) -> float:
+        """From the first start to the last end (gaps included)."""
+        if not self.spans:
+            return 0.0
+        return max(s.end_s for s in self.spans) - self.spans[0].start_s
+
+    def overlap(self) -> float:
+        """Sum of job durations / length of their union: 1.0 when jobs ran one at a time, N when
+        N ran side by side throughout; 0.0 for an empty timeline."""
+        union = self.union_s()
+        return self.busy_s() / union if union > 0 else 0.0
+
+    # -- export -----------------------------------------------------------------------------
+    def to_chrome_trace(self, path: str | Path) -> Path:
+        """Write a Chrome / Perfetto trace (JSON; open it in ui.perfetto.dev or
+        chrome://tracing), one track per lane and caller stream. Returns the path."""
+        path = Path(path)
+        tid = {t: i for i, t in enumerate(self.tracks())}
+        events: list[dict] = [{"name": "process_name", "ph": "M", "pid": 1, "tid": 0,
+                               "args": {"name": f"streamlane {self.device}".strip()}}]
+        for track, i in tid.items():
+            events.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": i,
+                           "args": {"name": track}})
+            events.append({"name": "thread_sort_index", "ph": "M", "pid": 1, "tid": i,
+                           "args": {"sort_index": i}})
+        for s in self.spans:
+            events.append({"name": s.name, "cat": "job", "ph": "X", "pid": 1, "tid": tid[s.track],
+                           "ts": round(s.start_s * 1e6, 3), "dur": round(s.duration_s * 1e6, 3),
+                           "args": {"job": s.job, "lane": s.lane}})
+        doc = {"traceEvents": events, "displayTimeUnit": "ms",
+               "otherData": {"device": self.device, "jobs": len(self.spans),
+                             "overlap": round(self.overlap(), 4)}}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(doc))
+        return path
+
+    def plot(self, path: str | Path, title: str | None = None) -> Path:
+        """Write a PNG timeline (matplotlib, Agg; no global backend change), one row per lane
+        and caller stream. Returns the path."""
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+
+        path = Path(path)
+        tracks = self.tracks()
+        fig = Figure(figsize=(10, 1.2 + 0.5 * max(1, len(tracks))), dpi=100)
+        FigureCanvasAgg(fig)
+        ax = fig.add_subplot()
+        t0 = self.spans[0].start_s if self.spans else 0.0
+        names = sorted({s.name for s in self.spans})
+        palette = [f"C{i % 10}" for i in range(len(names))]
+        colour = dict(zip(names, palette, strict=True))
+        for row, track in enumerate(tracks):
+            spans = [s for s in self.spans if s.track == track]
+            for name in names:
+                bars = [((s.start_s - t0) * 1e3, max(s.duration_s * 1e3, 1e-3))
+                        for s in spans if s.name == name]
+                if bars:
+                    ax.broken_barh(bars, (row - 0.4, 0.8), facecolors=colour[name],
+                                   edgecolor="black", linewidth=0.3)
+        ax.set_yticks(range(len(tracks)), tracks)
+        ax.set_ylim(-0.6, max(0.6, len(tracks) - 0.4))
+        ax.invert_yaxis()
+        ax.set_xlabel("ms since the first job started")
+        ax.set_title(title or f"streamlane {self.device}: {len(self.spans)} jobs, "
+                              f"overlap {self.overlap():.2f}x")
+        if names:
+            from matplotlib.patches import Patch
+
+            ax.legend(handles=[Patch(color=colour[n], label=n) for n in names],
+                      loc="upper right", fontsize="small")
+        fig.tight_layout()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path)
+        return path
+
+    def __repr__(self) -> str:
+        return (f"<Timeline {len(self.spans)} jobs, {len(self.tracks())} tracks, overlap "
+                f"{self.overlap():.2f}x>")

@@ -1,0 +1,303 @@
+"""The scheduler's contract (DESIGN.md, "The scheduler"): lanes, after=, caller streams, a loop
+that never blocks, back-pressure, draining and joining on exit. Every test runs on asyncio,
+uvloop and trio."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+
+import anyio
+import numpy as np
+import pytest
+from sched_helpers import (
+    BACKENDS,
+    Gate,
+    data,
+    double_program,
+    spin_program,
+    wait_threads,
+    wait_until,
+)
+
+from streamlane.runtime import Result
+from streamlane.runtime.errors import InvalidArgument, InvalidState
+from streamlane.runtime.examples import load
+from streamlane.runtime.reference import run_reference
+from streamlane.sched import Job, Scheduler, SchedulerClosed
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(params=BACKENDS)
+def anyio_backend(request):
+    return request.param
+
+
+async def test_run_gives_outputs_that_match_the_float64_reference(device):
+    enc, dec = load("encoder"), load("decoder")
+    encoder, decoder = enc.method("forward", device=device), dec.method("forward", device=device)
+    xs = [np.random.default_rng(i).standard_normal((8, 256)).astype(np.float32)
+          for i in range(4)]
+    with anyio.fail_after(30):
+        async with Scheduler(device, lanes=2) as sched:
+            outs = []
+            for x in xs:
+                e = await sched.submit(encoder, [x], lane=0)
+                outs.append(await sched.run(decoder, [e.outputs[0]], lane=1, after=[e]))
+    for x, out in zip(xs, outs, strict=True):
+        (y,) = run_reference(enc, "forward", [x])
+        (want,) = run_reference(dec, "forward", [y])
+        assert isinstance(out[0], Result)
+        np.testing.assert_allclose(out[0].to_host(), want, rtol=1e-4, atol=1e-5)
+
+
+async def test_after_waits_on_the_device_while_a_latch_holds_the_predecessor(device):
+    first, second = (double_program(n).method("forward", device=device) for n in ("a", "b"))
+    x = data(1)
+    held = device.create_stream()
+    with anyio.fail_after(30):
+        async with Scheduler(device, lanes=2) as sched:
+            with device.create_latch() as latch:
+                latch.hold(held)
+                a = await sched.submit(first, [x], lane=0, stream=held)
+                b = await sched.submit(second, [a.outputs[0]], lane=1, after=[a])
+                await wait_until(lambda: b.state == "running")  # enqueued: its lane did not block
+                await anyio.sleep(0.05)
+                assert not a.done() and not b.done()
+                assert not b.event.query()  # on the device: the dependent has not run
+                latch.release()
+                (out,) = await b
+                assert a.done()
+        np.testing.assert_array_equal(out.to_host(), 4 * x)
+        assert b.span[0] >= a.span[1]  # timing events: b started after a ended
+
+
+async def test_a_job_output_as_input_orders_like_after(device):
+    first, second = (double_program(n).method("forward", device=device) for n in ("a", "b"))
+    x = data(2)
+    held = device.create_stream()
+    with anyio.fail_after(30):
+        async with Scheduler(device, lanes=2) as sched:
+            with device.create_latch() as latch:
+                latch.hold(held)
+                a = await sched.submit(first, [x], lane=0, stream=held)
+                b = await sched.submit(second, [a.outputs[0]], lane=1)  # no after=
+                await wait_until(lambda: b.state == "running")
+                assert not b.event.query()
+                latch.release()
+                (out,) = await b
+        np.testing.assert_array_equal(out.to_host(), 4 * x)
+        assert b.span[0] >= a.span[1]
+
+
+async def test_the_loop_is_never_blocked_while_jobs_are_held(device):
+    method = double_program().method("forward", device=device)
+    other = double_program("other").method("forward", device=device)
+    held = device.create_stream()
+    gate = Gate(data(3))
+    lags: list[float] = []
+    stop = anyio.Event()
+
+    async def ticker() -> None:
+        while not stop.is_set():
+            t = time.perf_counter()
+            await anyio.sleep(0.002)
+            lags.append(time.perf_counter() - t - 0.002)
+
+    with anyio.fail_after(30):
+        async with Scheduler(device, lanes=2) as sched, anyio.create_task_group() as tg:
+            with device.create_latch() as latch:
+                latch.hold(held)
+                tg.start_soon(ticker)
+                on_device = await sched.submit(method, [data(4)], lane=0, stream=held)  # a stream
+                on_host = await sched.submit(other, [gate], lane=1)  # a lane thread, in set_inputs
+                with anyio.move_on_after(0.3):
+                    await on_device  # awaiting held work must not block the loop either
+                assert gate.entered.wait(5)
+                assert not on_device.done() and not on_host.done()
+                latch.release()
+                gate.open()
+                await on_device
+                await on_host
+                stop.set()
+    assert len(lags) > 50
+    assert max(lags) < 0.1, f"loop lag up to {max(lags) * 1e3:.1f} ms"
+
+
+async def test_a_full_lane_makes_submit_wait(device):
+    method = double_program().method("forward", device=device)
+    held = device.create_stream()
+    with anyio.fail_after(30):
+        async with Scheduler(device, lanes=1, queue_size=2) as sched:
+            with device.create_latch() as latch:
+                latch.hold(held)
+                jobs = [await sched.submit(method, [data(i)], stream=held) for i in range(2)]
+                with anyio.move_on_after(0.2) as scope:
+                    await sched.submit(method, [data(2)], stream=held)
+                assert scope.cancelled_caught, "the third submit should wait for room"
+                (stats,) = sched.statistics()
+                assert stats.queued + stats.in_flight == 2
+                async with anyio.create_task_group() as tg:
+                    third: list[Job] = []
+
+                    async def submit_third() -> None:
+                        third.append(await sched.submit(method, [data(2)], stream=held))
+
+                    tg.start_soon(submit_third)
+                    await anyio.sleep(0.05)
+                    assert not third
+                    latch.release()
+                results = [await job for job in (*jobs, *third)]
+    for i, (out,) in enumerate(results):
+        np.testing.assert_array_equal(out.to_host(), 2 * data(i))
+
+
+async def test_a_method_stays_on_its_lane_until_moved_and_the_move_is_ordered(device):
+    m1 = double_program("m1").method("forward", device=device)
+    m2 = double_program("m2").method("forward", device=device)
+    with anyio.fail_after(30):
+        async with Scheduler(device, lanes=2) as sched:
+            a = await sched.submit(m1, [data(0)])
+            b = await sched.submit(m1, [data(1)])
+            c = await sched.submit(m2, [data(2)])  # a new method goes to the least loaded lane
+            assert a.lane is b.lane and c.lane is not a.lane
+            # Hold the method's job inside set_inputs on its lane thread, then move the method:
+            # the moved job must wait for it on the host, so the method is never driven by two
+            # threads at once (the runtime would refuse with InvalidState).
+            gate = Gate(data(3))
+            held = await sched.submit(m1, [gate])
+            moved = await sched.submit(m1, [data(4)], lane=c.lane.index)
+            assert moved.lane is c.lane
+            follow = await sched.submit(m1, [data(5)])  # stays on the new lane
+            assert follow.lane is c.lane
+            assert gate.entered.wait(5)
+            await anyio.sleep(0.05)
+            assert moved.state == "queued"
+            gate.open()
+            outs = [await j for j in (a, b, c, held, moved, follow)]
+    for i, (out,) in enumerate(outs):
+        np.testing.assert_array_equal(out.to_host(), 2 * data(i))
+
+
+async def test_numpy_inputs_are_copied_at_submit(device):
+    method = double_program().method("forward", device=device)
+    x = data(6)
+    want = 2 * x
+    async with Scheduler(device, lanes=1) as sched:
+        job = await sched.submit(method, [x])
+        x[:] = 0  # the caller may reuse its array as soon as submit returns
+        (out,) = await job
+    np.testing.assert_array_equal(out.to_host(), want)
+
+
+async def test_a_caller_stream_job_runs_on_that_stream(device):
+    method = double_program().method("forward", device=device)
+    stream = device.create_stream()
+    async with Scheduler(device, lanes=1) as sched:
+        (out,) = await sched.run(method, [data(7)], stream=stream)
+        (plain,) = await sched.run(method, [data(8)])  # back on the lane: rule 4 orders it
+        tracks = sched.timeline().tracks()
+    np.testing.assert_array_equal(out.to_host(), 2 * data(7))
+    np.testing.assert_array_equal(plain.to_host(), 2 * data(8))
+    assert tracks[0] == "lane 0" and tracks[1].startswith("lane 0 stream ")
+
+
+async def test_leaving_normally_drains_pending_jobs(device):
+    method = spin_program(20_000).method("forward", device=device)
+    async with Scheduler(device, lanes=2) as sched:
+        jobs = [await sched.submit(method, [data(i)]) for i in range(5)]
+        assert not all(j.done() for j in jobs)
+    assert all(j.state == "done" for j in jobs)
+    for i, job in enumerate(jobs):
+        np.testing.assert_array_equal(job.results[0].to_host(), data(i))
+
+
+async def test_leaving_on_an_error_cancels_jobs_not_yet_enqueued(device):
+    method = double_program().method("forward", device=device)
+    gate = Gate(data(0))
+    jobs: list[Job] = []
+    opener = threading.Timer(0.2, gate.open)
+    with anyio.fail_after(30), pytest.raises(RuntimeError, match="boom"):
+        async with Scheduler(device, lanes=1) as sched:
+            jobs.append(await sched.submit(method, [gate]))
+            jobs.extend([await sched.submit(method, [data(i)]) for i in range(1, 4)])
+            assert gate.entered.wait(5)
+            opener.start()  # the gate opens while the scheduler is leaving
+            raise RuntimeError("boom")
+    opener.join()
+    assert jobs[0].state == "done"  # it was already in the runtime: it runs to completion
+    assert [j.state for j in jobs[1:]] == ["cancelled"] * 3
+    for job in jobs[1:]:
+        with pytest.raises(SchedulerClosed, match="cancelled before it ran"):
+            await job
+
+
+async def test_threads_are_joined_on_exit_and_closing_twice_is_a_no_op(device):
+    method = double_program().method("forward", device=device)
+    await anyio.to_thread.run_sync(lambda: None)  # anyio's worker thread belongs in the baseline
+    gc.collect()  # streams other tests dropped stop their host workers now, not mid-test
+    baseline = threading.active_count()
+    sched = Scheduler(device, lanes=3)
+    async with sched:
+        assert threading.active_count() >= baseline + 6  # a lane and a waiter per lane
+        await sched.run(method, [data(0)])
+    await sched.aclose()
+    await sched.aclose()
+    assert all(not lane.thread.is_alive() and not lane.waiter.is_alive() for lane in sched.lanes)
+    assert wait_threads(baseline) <= baseline  # streams of earlier tests may also stop
+    assert "closed" in repr(sched)
+
+
+async def test_submit_outside_the_context_raises(device):
+    method = double_program().method("forward", device=device)
+    sched = Scheduler(device, lanes=1)
+    with pytest.raises(InvalidState, match="async with Scheduler"):
+        await sched.submit(method, [data(0)])
+    async with sched:
+        with pytest.raises(InvalidState, match="already entered"):
+            await sched.__aenter__()
+    with pytest.raises(SchedulerClosed, match="closed"):
+        await sched.submit(method, [data(0)])
+
+
+async def test_bad_arguments_raise_invalid_argument(device):
+    method = double_program().method("forward", device=device)
+    async with Scheduler(device, lanes=2) as sched:
+        with pytest.raises(InvalidArgument, match=r"lane must be an int in 0\.\.1"):
+            await sched.submit(method, [data(0)], lane=2)
+        with pytest.raises(InvalidArgument, match="lane must be"):
+            await sched.submit(method, [data(0)], lane=True)
+        with pytest.raises(InvalidArgument, match="after"):
+            await sched.submit(method, [data(0)], after=["job"])
+        with pytest.raises(InvalidArgument, match="CallerStream expects"):
+            await sched.submit(method, [data(0)], stream=42)
+        with pytest.raises(InvalidArgument, match="inputs must be a list"):
+            await sched.submit(method, data(0))
+        with pytest.raises(InvalidArgument, match="takes a Method"):
+            await sched.submit(print, [data(0)])
+    with pytest.raises(InvalidArgument, match="lanes must be an int >= 1"):
+        Scheduler(device, lanes=0)
+
+
+async def test_reprs_show_state(device):
+    method = double_program().method("forward", device=device)
+    held = device.create_stream()
+    with anyio.fail_after(30):
+        async with Scheduler(device, lanes=2) as sched:
+            with device.create_latch() as latch:
+                latch.hold(held)
+                job = await sched.submit(method, [data(0)], lane=1, stream=held)
+                await wait_until(lambda: job.state == "running")
+                assert repr(sched.lanes[1]) == f"<Lane 1 {device.name}, 0 queued, 1 in flight>"
+                assert repr(job) == "<Job double.forward lane=1 caller-stream running>"
+                assert repr(sched) == f"<Scheduler {device.name}, 2 lanes, open, 1 pending>"
+                latch.release()
+                await job
+                assert repr(job) == "<Job double.forward lane=1 caller-stream done>"
+                plain = await sched.submit(method, [data(0)])
+                await plain
+                assert repr(plain) == "<Job double.forward lane=1 done>"
+                assert repr(sched.lanes[0]) == f"<Lane 0 {device.name}, 0 queued>"
+

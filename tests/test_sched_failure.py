@@ -1,0 +1,153 @@
+"""The scheduler when things go wrong: device failures, refused inputs, cancelled awaits (the
+cancel storm), unobserved errors. Every test runs on asyncio, uvloop and trio."""
+
+from __future__ import annotations
+
+import gc
+import random
+import threading
+
+import anyio
+import numpy as np
+import pytest
+from sched_helpers import BACKENDS, data, double_program, wait_threads, wait_until
+
+from streamlane.runtime.errors import DeviceError, InvalidInput
+from streamlane.sched import DependencyFailed, Job, Scheduler, SchedulerBroken
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(params=BACKENDS)
+def anyio_backend(request):
+    return request.param
+
+
+async def test_a_device_failure_fails_every_pending_job_and_breaks_the_scheduler(host):
+    first, second, third = (double_program(n).method("forward", device=host)
+                            for n in ("a", "b", "c"))
+    held = host.create_stream()
+    with anyio.fail_after(30):
+        async with Scheduler(host, lanes=2) as sched:
+            with host.create_latch() as latch:
+                latch.hold(held)
+                host.inject_failure(held, "injected kernel fault")
+                a = await sched.submit(first, [data(0)], lane=0, stream=held)  # after the fault
+                b = await sched.submit(second, [a.outputs[0]], lane=1)
+                c = await sched.submit(third, [data(1)], lane=1, after=[b])
+                await wait_until(lambda: c.state == "running")
+                latch.release()
+                for job in (a, b, c):
+                    with pytest.raises(DeviceError, match="injected kernel fault") as info:
+                        await job
+                    assert isinstance(info.value, SchedulerBroken)
+                    assert job.state == "failed"
+                assert sched.broken is not None and "broken" in repr(sched)
+                assert "the device failed while" in str(sched.broken)
+                with anyio.fail_after(1), pytest.raises(SchedulerBroken, match="no new work"):
+                    await sched.submit(first, [data(2)])
+
+
+async def test_a_refused_input_fails_its_job_and_its_dependents_only(host):
+    method = double_program().method("forward", device=host)
+    other = double_program("other").method("forward", device=host)
+    async with Scheduler(host, lanes=2) as sched:
+        bad = await sched.submit(method, [np.zeros((3, 3), np.float32)], lane=0)
+        dependent = await sched.submit(other, [bad.outputs[0]], lane=1)
+        with pytest.raises(InvalidInput, match=r"input 0 of method 'double\.forward'"):
+            await bad
+        with pytest.raises(DependencyFailed, match="depends on") as info:
+            await dependent
+        assert info.value.dependency is bad
+        (out,) = await sched.run(method, [data(3)])  # the scheduler goes on
+        assert sched.broken is None
+    np.testing.assert_array_equal(out.to_host(), 2 * data(3))
+
+
+async def test_an_unobserved_failure_is_raised_on_exit(host):
+    method = double_program().method("forward", device=host)
+    with pytest.raises(InvalidInput):
+        async with Scheduler(host, lanes=1) as sched:
+            job = await sched.submit(method, [np.zeros((3, 3), np.float32)])
+            await wait_until(job.done)
+    assert job.state == "failed"
+
+
+async def test_cancelling_an_await_leaves_the_job_running(device):
+    method = double_program().method("forward", device=device)
+    held = device.create_stream()
+    with anyio.fail_after(30):
+        async with Scheduler(device, lanes=1) as sched:
+            with device.create_latch() as latch:
+                latch.hold(held)
+                job = await sched.submit(method, [data(4)], stream=held)
+                with anyio.move_on_after(0.05) as scope:
+                    await job
+                assert scope.cancelled_caught and job.state == "running"
+                latch.release()
+                (out,) = await job  # the job went on; a second await sees its outcome
+    np.testing.assert_array_equal(out.to_host(), 2 * data(4))
+
+
+async def test_cancel_storm_survivors_are_correct_and_nothing_leaks(host):
+    """2,000 in-flight awaits, half cancelled at random: every survivor is right, the buffer pool
+    and the thread count return to their baseline, nothing hangs."""
+    methods = [double_program(f"m{i}").method("forward", device=host) for i in range(4)]
+    inputs = [data(i) for i in range(50)]
+    for m in methods:  # warm up: two results alive at once, so each pool holds its two buffers
+        r1, r2 = m([inputs[0]]), m([inputs[1]])
+        r1[0].to_host(), r2[0].to_host()
+        del r1, r2
+    gc.collect()
+    live = host.stats.allocations - host.stats.frees
+    held = [host.create_stream() for _ in range(2)]  # their host workers are in the baseline
+    await anyio.to_thread.run_sync(lambda: None)  # anyio's worker thread belongs in the baseline
+    threads = threading.active_count()
+
+    rng = random.Random(5)
+    count = 2000
+    survivors: dict[int, np.ndarray] = {}
+    cancelled: set[int] = set()
+    scopes: list[anyio.CancelScope] = []
+    submitted = 0
+    with anyio.fail_after(60):
+        async with Scheduler(host, lanes=4) as sched:
+            with host.create_latch() as latch:
+                for s in held:
+                    latch.hold(s)
+
+                async def request(i: int, scope: anyio.CancelScope) -> None:
+                    nonlocal submitted
+                    with scope:
+                        job: Job = await sched.submit(methods[i % 4], [inputs[i % 50]],
+                                                      stream=held[i % 2])
+                        submitted += 1
+                        (out,) = await job
+                        survivors[i] = out.to_host()
+                        return
+                    cancelled.add(i)
+
+                async with anyio.create_task_group() as tg:
+                    for i in range(count):
+                        scopes.append(anyio.CancelScope())
+                        tg.start_soon(request, i, scopes[-1])
+                    await wait_until(lambda: submitted == count, timeout=30)
+                    for i in rng.sample(range(count), count // 2):
+                        scopes[i].cancel()
+                    await anyio.sleep(0)
+                    latch.release()
+                assert len(cancelled) == count // 2 and len(survivors) == count // 2
+                for i, value in survivors.items():
+                    np.testing.assert_array_equal(value, 2 * inputs[i % 50])
+                stats = sched.statistics()
+                assert sum(s.completed for s in stats) == count
+    assert all(s.queued == 0 and s.in_flight == 0 for s in sched.statistics())
+    assert wait_threads(threads) <= threads
+    # Every job is finished and dropped, so every output buffer is free again; the next
+    # execute of each method trims its pool back to the two buffers of the baseline.
+    survivors.clear()
+    gc.collect()
+    for m in methods:
+        m([inputs[0]])[0].to_host()
+    gc.collect()
+    assert host.stats.allocations - host.stats.frees == live

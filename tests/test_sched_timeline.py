@@ -1,0 +1,104 @@
+"""Measuring what the scheduler did: statistics, timelines and overlap, the exports, and the
+``streamlane demo`` command. Async tests run on asyncio, uvloop and trio."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import anyio
+import pytest
+from sched_helpers import BACKENDS, data, spin_program
+
+from streamlane.sched import LaneStatistics, Scheduler, Span, Timeline
+
+SPIN_US = 50_000
+
+
+@pytest.fixture(params=BACKENDS)
+def anyio_backend(request):
+    return request.param
+
+
+async def _two_spins(device, lanes: int, streams: bool = False) -> tuple[Scheduler, float]:
+    a, b = (spin_program(SPIN_US, n).method("forward", device=device) for n in ("a", "b"))
+    s = [device.create_stream(), device.create_stream()] if streams else [None, None]
+    with anyio.fail_after(30):
+        async with Scheduler(device, lanes=lanes) as sched:
+            for job in [await sched.submit(m, [data(0)], stream=st)
+                        for m, st in zip((a, b), s, strict=True)]:
+                await job
+    return sched, sched.timeline().overlap()
+
+
+@pytest.mark.anyio
+async def test_two_lanes_overlap_and_one_lane_serializes(device):
+    two, overlap_two = await _two_spins(device, lanes=2)
+    one, overlap_one = await _two_spins(device, lanes=1)
+    assert overlap_two > 1.6, two.timeline()
+    assert overlap_one < 1.15, one.timeline()
+    stats = two.statistics()
+    assert [s.lane for s in stats] == [0, 1]
+    assert [(s.queued, s.in_flight, s.completed) for s in stats] == [(0, 0, 1), (0, 0, 1)]
+    assert all(0.045 < s.busy_time_s < 0.5 for s in stats), stats
+    (single,) = one.statistics()
+    assert single.completed == 2 and single.busy_time_s > 0.09
+    assert two.timeline().wall_s() < one.timeline().wall_s()
+
+
+@pytest.mark.anyio
+async def test_a_caller_stream_per_program_overlaps_on_one_lane(device):
+    sched, overlap = await _two_spins(device, lanes=1, streams=True)
+    assert overlap > 1.6, sched.timeline()
+    assert len(sched.timeline().tracks()) == 2
+
+
+def test_statistics_are_frozen_dataclasses():
+    stats = LaneStatistics(0, 1, 2, 3, 0.5)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        stats.queued = 4  # type: ignore[misc]
+
+
+def test_overlap_is_the_sum_of_durations_over_their_union():
+    spans = [Span(0, "a", 0, "lane 0", 0.0, 1.0), Span(1, "b", 1, "lane 1", 0.5, 1.5),
+             Span(2, "a", 0, "lane 0", 3.0, 4.0)]
+    t = Timeline(spans, "host:0")
+    assert t.busy_s() == 3.0 and t.union_s() == 2.5 and t.wall_s() == 4.0
+    assert t.overlap() == pytest.approx(1.2)
+    assert Timeline([]).overlap() == 0.0
+    assert t.tracks() == ["lane 0", "lane 1"]
+    assert repr(t) == "<Timeline 3 jobs, 2 tracks, overlap 1.20x>"
+
+
+@pytest.mark.anyio
+async def test_the_trace_is_valid_json_with_one_track_per_lane_and_the_plot_is_a_png(
+        device, tmp_path):
+    sched, _ = await _two_spins(device, lanes=2)
+    timeline = sched.timeline()
+    trace = json.loads(timeline.to_chrome_trace(tmp_path / "t" / "trace.json").read_text())
+    jobs = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    assert len(jobs) == 2 and names == {"lane 0", "lane 1"}
+    assert {e["name"] for e in jobs} == {"a.forward", "b.forward"}
+    assert all(e["dur"] > 0.04e6 for e in jobs)  # microseconds
+    png = timeline.plot(tmp_path / "timeline.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_demo_command_runs_and_checks_every_result(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "streamlane.sched", "demo", "--device", "host", "--requests", "3",
+         "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "6/6" in proc.stdout and "two lanes" in proc.stdout
+    for slug in ("one-lane", "two-lanes", "caller-streams"):
+        assert (tmp_path / f"timeline-{slug}.png").stat().st_size > 0
+        json.loads((tmp_path / f"trace-{slug}.json").read_text())
+
+
+def test_the_demo_refuses_a_bad_request_count():
+    proc = subprocess.run([sys.executable, "-m", "streamlane.sched", "demo", "--requests", "0"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--requests must be at least 1" in proc.stderr
