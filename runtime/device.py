@@ -68,6 +68,7 @@ class Device(ABC):
         self._stats_lock = threading.Lock()
         self._functions: dict[str, Any] = {}
         self._functions_lock = threading.Lock()
+        self._launch_cache: dict[Any, PreparedLaunch] = {}  # checked launches, by signature
 
     # -- streams ----------------------------------------------------------------------------
     @abstractmethod
@@ -225,8 +226,18 @@ class Device(ABC):
         dtypes = {a.dtype.name for a in (*ins, *outs)}
         if len(dtypes) > 1:
             raise InvalidArgument(f"kernel {kernel!r}: arguments mix dtypes {sorted(dtypes)}")
-        prepared = self.prepare(kernel, [a.shape for a in ins], [a.shape for a in outs], params,
-                                dtype=dtypes.pop() if dtypes else "float32")
+        dtype = dtypes.pop() if dtypes else "float32"
+        try:  # a signature validated once is not validated again (params are plain scalars)
+            key = (kernel, dtype, tuple(a.shape for a in ins), tuple(a.shape for a in outs),
+                   tuple(sorted((k, type(v), v) for k, v in params.items())) if params else ())
+            prepared = self._launch_cache.get(key)
+        except TypeError:  # unhashable params: validate and report below
+            key, prepared = None, None
+        if prepared is None:
+            prepared = self.prepare(kernel, [a.shape for a in ins], [a.shape for a in outs],
+                                    params, dtype=dtype)
+            if key is not None and len(self._launch_cache) < 4096:
+                self._launch_cache[key] = prepared
         prepared.run(stream, ins, outs)
 
     def enqueue_callable(self, stream: Stream, fn: Any, ins: Sequence[DeviceArray],

@@ -16,7 +16,6 @@ Guarantees:
 from __future__ import annotations
 
 import threading
-import weakref
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -76,11 +75,9 @@ class _Holder:
     def __init__(self, pooled: PooledBuffer):
         self.pooled = pooled
         pooled.held = True
-        weakref.finalize(self, _release, pooled)
 
-
-def _release(pooled: PooledBuffer) -> None:
-    pooled.held = False
+    def __del__(self) -> None:  # cheaper than weakref.finalize on the per-call path
+        self.pooled.held = False
 
 
 class Result:

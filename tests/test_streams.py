@@ -330,3 +330,15 @@ def test_injected_delay_stalls_only_that_stream(host):
     a.synchronize()
     slow.close()
     fast.close()
+
+
+def test_checked_launch_revalidates_new_signatures(device):
+    s = device.per_thread_stream()
+    a = device.to_device(np.ones(8, np.float32), s)
+    out = device.empty((8,), "float32", s)
+    device.launch("scale", s, [a], [out], {"factor": 1})
+    with pytest.raises(InvalidArgument, match="params"):
+        device.launch("scale", s, [a], [out], {"factor": True})
+    with pytest.raises(InvalidArgument, match="params"):
+        device.launch("scale", s, [a], [out], {"factor": [1]})
+    np.testing.assert_array_equal(device.to_host(out, s), np.ones(8, np.float32))
