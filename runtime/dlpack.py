@@ -18,7 +18,7 @@ import numpy as np
 from .dtypes import dtype_name
 from .errors import InvalidArgument
 
-__all__ = ["KDL_CPU", "KDL_CUDA", "export_cuda"]
+__all__ = ["KDL_CPU", "KDL_CUDA", "export", "live_exports"]
 
 KDL_CPU = 1
 KDL_CUDA = 2
@@ -63,28 +63,38 @@ def _delete(managed: Any) -> None:
 _DELETE = _DELETER(_delete)
 _CAPSULE_DESTRUCTOR = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 _NAME = b"dltensor"
-_api = ctypes.pythonapi
-_api.PyCapsule_New.restype = ctypes.py_object
-_api.PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_char_p, _CAPSULE_DESTRUCTOR]
-_api.PyCapsule_IsValid.restype = ctypes.c_int
-_api.PyCapsule_IsValid.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
-_api.PyCapsule_GetPointer.restype = ctypes.c_void_p
-_api.PyCapsule_GetPointer.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+# Our own prototypes of the C API: setting argtypes on ctypes.pythonapi's shared function
+# objects would change them for every other library in the process.
+_capsule_new = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_char_p,
+                                 _CAPSULE_DESTRUCTOR)(("PyCapsule_New", ctypes.pythonapi))
+_capsule_is_valid = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p)(
+    ("PyCapsule_IsValid", ctypes.pythonapi))
+_capsule_get_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p)(
+    ("PyCapsule_GetPointer", ctypes.pythonapi))
+_capsule_get_pointer_obj = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object,
+                                             ctypes.c_char_p)(
+    ("PyCapsule_GetPointer", ctypes.pythonapi))
 
 
 def _capsule_gone(capsule: int) -> None:
     # Unconsumed capsules still carry the name "dltensor": then the producer frees.
-    if _api.PyCapsule_IsValid(capsule, _NAME):
-        ptr = _api.PyCapsule_GetPointer(capsule, _NAME)
+    if _capsule_is_valid(capsule, _NAME):
+        ptr = _capsule_get_pointer(capsule, _NAME)
         _delete(ctypes.cast(ptr, ctypes.POINTER(DLManagedTensor)))
+
+
+def capsule_pointer(capsule: Any) -> int:
+    """The DLManagedTensor address inside an unconsumed capsule (tests)."""
+    return int(_capsule_get_pointer_obj(capsule, _NAME))
 
 
 _DESTRUCTOR = _CAPSULE_DESTRUCTOR(_capsule_gone)
 
 
-def export_cuda(ptr: int, shape: tuple[int, ...], dtype: np.dtype, device_id: int,
-                owner: Any) -> Any:
-    """A ``dltensor`` capsule over CUDA memory at ``ptr``; ``owner`` lives until it is released."""
+def export(ptr: int, shape: tuple[int, ...], dtype: np.dtype, device_type: int, device_id: int,
+           owner: Any) -> Any:
+    """A ``dltensor`` capsule over C-contiguous memory at ``ptr`` on a DLPack device;
+    ``owner`` lives until the consumer releases it (or the capsule dies unconsumed)."""
     name = dtype_name(dtype)
     if name not in _CODES:
         raise InvalidArgument(f"dtype {name} has no DLPack code")
@@ -92,13 +102,13 @@ def export_cuda(ptr: int, shape: tuple[int, ...], dtype: np.dtype, device_id: in
     key = next(_KEYS)
     shape_arr = (ctypes.c_int64 * max(1, len(shape)))(*shape)
     managed = DLManagedTensor()
-    managed.dl_tensor = DLTensor(ptr, DLDevice(KDL_CUDA, device_id), len(shape),
+    managed.dl_tensor = DLTensor(ptr, DLDevice(device_type, device_id), len(shape),
                                  DLDataType(code, bits, 1), shape_arr, None, 0)
     managed.manager_ctx = key
     managed.deleter = _DELETE
     with _LIVE_LOCK:
         _LIVE[key] = (managed, shape_arr, owner)
-    return _api.PyCapsule_New(ctypes.addressof(managed), _NAME, _DESTRUCTOR)
+    return _capsule_new(ctypes.addressof(managed), _NAME, _DESTRUCTOR)
 
 
 def live_exports() -> int:

@@ -210,7 +210,7 @@ def _dlpack(self: Result, *, stream: Any = None, max_version: Any = None,
         if self.event is not None:
             self.event.synchronize()  # host consumers read at once
         return _host_view(self, holder).__dlpack__()
-    from .dlpack import export_cuda
+    from .dlpack import KDL_CUDA, export
 
     consumer = _consumer_stream(self, stream)
     if self._holder is not None:
@@ -218,7 +218,7 @@ def _dlpack(self: Result, *, stream: Any = None, max_version: Any = None,
         with pooled.lock:
             pooled.exported = True
             pooled.export_streams.append(consumer)
-    return export_cuda(self.array.ptr, self.shape, self.dtype, self.device.index, holder)
+    return export(self.array.ptr, self.shape, self.dtype, KDL_CUDA, self.device.index, holder)
 
 
 def _consumer_stream(self: Result, stream: Any) -> Stream | None:

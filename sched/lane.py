@@ -193,7 +193,10 @@ class Lane:
             method.set_inputs(inputs)
             method.execute()
             results = method.get_outputs()
-            end = stream.record(device.create_event(timing=core.timing))
+            # Without timing, the method's own end-of-execute event (recorded last on this
+            # stream) marks completion: no second event per job.
+            end = stream.record(device.create_event(timing=True)) if core.timing \
+                else method.last_event
             job._start_event = start
             job._stream_key = stream.key
             track = f"lane {self.index}" if job.stream is None else \

@@ -1,0 +1,81 @@
+"""The DLPack producer (the capsule streamlane builds for CUDA memory), exercised on host memory
+with numpy as the consumer: layout of the structures, dtype codes, the deleter and the owner's
+lifetime."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from streamlane.runtime.dlpack import KDL_CPU, export, live_exports
+
+
+class _Owner:
+    pass
+
+
+class _Exporter:
+    def __init__(self, array: np.ndarray, owner: object):
+        self.array = array
+        self.owner = owner
+
+    def __dlpack__(self, **kwargs):
+        return export(self.array.ctypes.data, self.array.shape, self.array.dtype, KDL_CPU, 0,
+                      self.owner)
+
+    def __dlpack_device__(self):
+        return (KDL_CPU, 0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "int32", "int64", "uint8",
+                                   "int8", "bool"])
+@pytest.mark.parametrize("shape", [(7,), (3, 5), (2, 3, 4), ()])
+def test_numpy_reads_the_capsule_zero_copy(dtype, shape):
+    src = np.asarray((np.random.default_rng().standard_normal(shape) * 10).astype(dtype))
+    owner = _Owner()
+    got = np.from_dlpack(_Exporter(src, owner))
+    assert got.shape == src.shape and got.dtype == src.dtype
+    np.testing.assert_array_equal(got, src)
+    if src.size:
+        assert got.ctypes.data == src.ctypes.data
+
+
+def test_owner_lives_until_the_consumer_lets_go():
+    src = np.arange(12, dtype=np.float32)
+    owner = _Owner()
+    alive = weakref.ref(owner)
+    before = live_exports()
+    got = np.from_dlpack(_Exporter(src, owner))
+    del owner
+    gc.collect()
+    assert alive() is not None, "the owner died while the consumer still holds the memory"
+    assert live_exports() == before + 1
+    del got
+    gc.collect()
+    assert alive() is None and live_exports() == before
+
+
+def test_an_unconsumed_capsule_releases_its_owner():
+    owner = _Owner()
+    alive = weakref.ref(owner)
+    before = live_exports()
+    capsule = _Exporter(np.ones(3, np.float32), owner).__dlpack__()
+    del owner
+    assert live_exports() == before + 1
+    del capsule
+    gc.collect()
+    assert alive() is None and live_exports() == before
+
+
+def test_bfloat16_has_its_own_type_code():
+    from streamlane.runtime import dlpack
+
+    src = np.ones(4, ml_dtypes.bfloat16)
+    capsule = export(src.ctypes.data, src.shape, src.dtype, KDL_CPU, 0, _Owner())
+    managed = dlpack.DLManagedTensor.from_address(dlpack.capsule_pointer(capsule))
+    assert (managed.dl_tensor.dtype.code, managed.dl_tensor.dtype.bits) == (4, 16)
+    assert managed.dl_tensor.ndim == 1 and managed.dl_tensor.shape[0] == 4
