@@ -364,31 +364,50 @@ def test_a_kernel_that_does_not_compile_raises_with_the_nvrtc_log(cuda_device):
     assert info.value.code.startswith("NVRTC_ERROR")
 
 
+THREAD_EXIT_SCRIPT = r"""
+import threading, time
+import numpy as np
+from streamlane.runtime import get_device
+
+dev = get_device("cuda")
+x = dev.to_device(np.ones(256, np.float32), dev.per_thread_stream())
+with dev.create_latch() as latch:
+    latch.hold(dev.per_thread_stream())
+    ready = dev.per_thread_stream().record()
+
+    def enqueue_and_exit():
+        s = dev.per_thread_stream()
+        s.wait(ready)
+        dev.launch("scale", s, [x], [x], {"factor": 2.0})
+
+    t = threading.Thread(target=enqueue_and_exit)
+    threading.Timer(0.5, latch.release).start()
+    t0 = time.perf_counter()
+    t.start()
+    t.join(30)
+    assert not t.is_alive()
+    assert time.perf_counter() - t0 >= 0.4, "the thread ended before its stream drained"
+with dev.create_stream() as s:
+    s.record().synchronize()
+dev.synchronize()
+np.testing.assert_array_equal(dev.to_host(x, dev.per_thread_stream()),
+                              np.full(256, 2.0, np.float32))
+print("ok")
+"""
+
+
 @pytest.mark.cuda
 def test_a_thread_ending_with_queued_work_drains_its_stream_and_leaves_the_device_usable(
         cuda_device):
     """Without the drain at thread exit, the driver wedged: later cuStreamCreate and
-    cuCtxSynchronize calls never returned."""
-    dev = cuda_device
-    x = dev.to_device(np.ones(256, np.float32), dev.per_thread_stream())
-    with dev.create_latch() as latch:
-        latch.hold(dev.per_thread_stream())
-        ready = dev.per_thread_stream().record()
+    cuCtxSynchronize calls never returned. Run in a subprocess: if it wedges, only that
+    process is lost."""
+    import subprocess
+    import sys
 
-        def enqueue_and_exit():
-            s = dev.per_thread_stream()
-            s.wait(ready)
-            dev.launch("scale", s, [x], [x], {"factor": 2.0})
-
-        t = threading.Thread(target=enqueue_and_exit)
-        threading.Timer(0.5, latch.release).start()
-        t0 = time.perf_counter()
-        t.start()
-        t.join(30)
-        assert not t.is_alive()
-        assert time.perf_counter() - t0 >= 0.4, "the thread ended before its stream drained"
-    with dev.create_stream() as s:
-        s.record().synchronize()
-    dev.synchronize()
-    np.testing.assert_array_equal(dev.to_host(x, dev.per_thread_stream()),
-                                  np.full(256, 2.0, np.float32))
+    try:
+        out = subprocess.run([sys.executable, "-c", THREAD_EXIT_SCRIPT], capture_output=True,
+                             text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the device wedged after a thread ended with queued work")
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
