@@ -83,7 +83,13 @@ class Method:
         for t in mdef.buffers:
             self._env[t.name] = device.empty(t.shape, DTYPES[t.dtype], stream, self._uses)
         self._input_decls = mdef.inputs
+        self._n_inputs = len(mdef.inputs)
         self._slots: list[DeviceArray | None] = [None] * len(mdef.inputs)
+        # Every tensor of an execute by index: inputs, outputs, then constants and buffers.
+        names = [t.name for t in (*mdef.inputs, *mdef.outputs)] + list(self._env)
+        self._index = {n: i for i, n in enumerate(names)}
+        self._arrays: list[Any] = [None] * (len(mdef.inputs) + len(mdef.outputs)) + list(
+            self._env.values())
         self._pools: list[list[PooledBuffer]] = [[] for _ in mdef.outputs]
         self._views = [device.empty(t.shape, DTYPES[t.dtype], stream, self._uses)
                        for t in mdef.outputs] if not self.clone_outputs else []
@@ -200,7 +206,9 @@ class Method:
     # -- execution -----------------------------------------------------------------------
     def execute(self) -> None:
         """Enqueue every step on this thread's resolved stream. Never waits on the host."""
-        with self._exclusive("execute"):
+        if not self._guard.acquire(blocking=False):
+            raise _busy(self, "execute")
+        try:
             if self._inputs is None or not self._inputs_valid:
                 raise InvalidState(
                     f"{self.name}: execute() needs inputs; call set_inputs() with all "
@@ -211,44 +219,49 @@ class Method:
             key = stream.key
             if self.last_event is not None and self._last_stream_key != key:
                 stream.wait(self.last_event)  # rule 4: hand the method over in device order
-            env = dict(self._env)
+            arrays = self._arrays  # one list, reused: the guard makes this execute the only one
             used: list[Buffer] = []  # memory of others this execute touches (rule 8)
             for i, value in enumerate(self._inputs):
-                name = self._input_decls[i].name
                 if isinstance(value, Result):
-                    value.wait_on(stream)
-                    env[name] = value.array
+                    if value.event is not None and value.stream_key != key:
+                        stream.wait(value.event)
+                    arrays[i] = value.array
                     used.append(value.array.buffer)
                 elif isinstance(value, _Foreign):
                     if value.stream_handle:  # the producer's stream (CAI v3): order after it
                         stream.wait(device.wrap_stream(_Handle(value.stream_handle)).record())
-                    env[name] = value.array
+                    arrays[i] = value.array
                 else:
                     slot = self._slots[i]
                     if slot is None:
                         slot = self._slots[i] = device.empty(value.shape, value.dtype, stream,
                                                              self._uses)
                     device.copy_from_host(slot, value, stream)
-                    env[name] = slot
-            outputs = self._take_outputs(stream)
-            for t, (array, pooled) in zip(self.definition.outputs, outputs, strict=True):
-                env[t.name] = array
-                if pooled is not None:
-                    used.append(array.buffer)
+                    arrays[i] = slot
+            pooled = self._take_outputs(stream)
+            first = self._n_inputs
+            for j, out in enumerate(pooled):
+                arrays[first + j] = out.array
+                used.append(out.array.buffer)
+            if not pooled:
+                for j, view in enumerate(self._views):
+                    arrays[first + j] = view
             for index, (run, ins, outs) in enumerate(self._steps):
                 step_stream = self._private_stream(index) if _PRIVATE_STREAM_PER_STEP else stream
-                run(step_stream, [env[n] for n in ins], [env[n] for n in outs])
-            event = stream.record()
+                run(step_stream, [arrays[k] for k in ins], [arrays[k] for k in outs])
+            # A single output's buffer lends its event: no Result holds that buffer now, so no
+            # live Result's event moves (see PooledBuffer). Several outputs: a new event.
+            event = stream.record(pooled[0].event if len(pooled) == 1 else None)
             for buffer in used:
                 buffer.uses[key] = event
             self._uses[key] = event
             self.last_event = event
             self._last_stream_key = key
             self.executions += 1
-            self._outputs = [
-                Result._pooled(pooled, event, key) if pooled is not None
-                else Result(array, event, key, view_only=True)
-                for array, pooled in outputs]
+            self._outputs = [Result._pooled(p, event, key) for p in pooled] if pooled else [
+                Result(view, event, key, view_only=True) for view in self._views]
+        finally:
+            self._guard.release()
 
     def get_outputs(self) -> list[Result]:
         """The outputs of the last execute (Results; no copy, no host wait)."""
@@ -263,21 +276,24 @@ class Method:
         return self.get_outputs()
 
     # -- internals ------------------------------------------------------------------------
-    def _take_outputs(self, stream: Stream) -> list[tuple[DeviceArray, PooledBuffer | None]]:
+    def _take_outputs(self, stream: Stream) -> list[PooledBuffer]:
         """For each output, a buffer no live Result holds (two take turns; a third is allocated
-        only while both are held)."""
+        only while both are held). Empty with ``clone_outputs=False``."""
         if not self.clone_outputs:
-            return [(v, None) for v in self._views]
+            return []
         taken = []
         for t, pool in zip(self.definition.outputs, self._pools, strict=True):
-            pooled = next((p for p in pool if not p.held), None)
-            if pooled is None:
-                pooled = PooledBuffer(self.device.empty(t.shape, DTYPES[t.dtype], stream))
+            for pooled in pool:
+                if not pooled.held:
+                    if len(pool) > 2:
+                        self._trim(pool, pooled, stream)
+                    break
+            else:
+                pooled = PooledBuffer(self.device.empty(t.shape, DTYPES[t.dtype], stream),
+                                      self.device.create_event())
                 pool.append(pooled)
-            elif len(pool) > 2:
-                self._trim(pool, pooled, stream)
             pooled.prepare_write(stream)
-            taken.append((pooled.array, pooled))
+            taken.append(pooled)
         return taken
 
     @staticmethod
@@ -288,22 +304,24 @@ class Method:
             pool.remove(p)
             p.array.buffer.free(stream)
 
-    def _plan_step(self, step: Any) -> tuple[Any, tuple[str, ...], tuple[str, ...]]:
+    def _plan_step(self, step: Any) -> tuple[Any, tuple[int, ...], tuple[int, ...]]:
         tensors = {t.name: t for t in (*self.definition.inputs, *self.definition.buffers,
                                        *self.definition.outputs)}
         shape = {n: (tensors[n].shape if n in tensors else self.program.constants[n].shape)
                  for n in (*step.ins, *step.outs)}
+        ins = tuple(self._index[n] for n in step.ins)
+        outs = tuple(self._index[n] for n in step.outs)
         if step.kind == "kernel":
             prepared = self.device.prepare(step.target, [shape[n] for n in step.ins],
                                            [shape[n] for n in step.outs], step.params)
-            return prepared.run, step.ins, step.outs
+            return prepared.run, ins, outs
         fn = self.program.callables[step.target]
         device = self.device
 
         def run_callable(stream: Stream, ins: list[DeviceArray], outs: list[DeviceArray]) -> None:
             device.enqueue_callable(stream, fn, ins, outs)
 
-        return run_callable, step.ins, step.outs
+        return run_callable, ins, outs
 
     def _private_stream(self, index: int) -> Stream:
         """Test-only: the step's own stream, ordered with nothing (the bug rule 1 forbids)."""
@@ -320,6 +338,13 @@ class Method:
         return f"<Method {self.name} on {self.device.name}, {state}>"
 
 
+def _busy(method: Method, what: str) -> InvalidState:
+    return InvalidState(
+        f"{method.name}: {what}() called while another thread is using this method; drive one "
+        f"method from one thread at a time (hold a lock around set_inputs/execute/get_outputs, "
+        f"or give each thread its own method)")
+
+
 class _Exclusive:
     """Refuse a second thread instead of running unordered (rule 4)."""
 
@@ -331,10 +356,7 @@ class _Exclusive:
 
     def __enter__(self) -> None:
         if not self.method._guard.acquire(blocking=False):
-            raise InvalidState(
-                f"{self.method.name}: {self.what}() called while another thread is using this "
-                f"method; drive one method from one thread at a time (hold a lock around "
-                f"set_inputs/execute/get_outputs, or give each thread its own method)")
+            raise _busy(self.method, self.what)
 
     def __exit__(self, *exc: object) -> None:
         self.method._guard.release()

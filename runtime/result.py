@@ -35,10 +35,16 @@ __all__ = ["PooledBuffer", "Result"]
 class PooledBuffer:
     """One output buffer of a method, with what a writer must wait for before reusing it."""
 
-    __slots__ = ("__weakref__", "array", "export_streams", "exported", "held", "lock")
+    __slots__ = ("__weakref__", "array", "event", "export_streams", "exported", "held", "lock")
 
-    def __init__(self, array: DeviceArray):
+    def __init__(self, array: DeviceArray, event: Event):
         self.array = array
+        # Recorded after each execute that writes the buffer (methods of one output), and
+        # reused: while a Result holds the buffer the writer takes another one, so a live
+        # Result's event never moves. Others
+        # that kept the event (a method's last event, a buffer's uses) may see it re-recorded
+        # later on: they then wait for later work of the same method, never for less.
+        self.event = event
         self.held = False  # a live holder (Result or export) references it
         self.exported = False  # handed to another library since its last write
         self.export_streams: list[Stream | None] = []  # consumers' streams, None: unknown
@@ -49,14 +55,17 @@ class PooledBuffer:
         writer just before it writes the buffer again. No Result holds the buffer now, so no
         new use can appear while this runs."""
         uses = self.array.buffer.uses
-        pending = list(uses.items())
-        uses.clear()
+        if uses:
+            key = stream.key
+            for k, event in list(uses.items()):
+                if k != key:
+                    stream.wait(event)
+            uses.clear()
+        if not self.exported:
+            return
         with self.lock:
             exported, self.exported = self.exported, False
             consumers, self.export_streams = self.export_streams, []
-        for key, event in pending:
-            if key != stream.key:
-                stream.wait(event)
         if exported:
             device = stream.device
             if consumers and all(c is not None for c in consumers):
