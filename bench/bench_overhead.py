@@ -1,7 +1,9 @@
-"""The Python cost of Method.execute() alone, on a device whose primitives do nothing.
+"""The Python cost of Method.execute() and of the scheduler, on a device whose primitives do
+nothing (events complete at once).
 
-Runs anywhere (no GPU): what it measures is the runtime's own bookkeeping per call, the part a
-GPU run cannot separate from driver calls. CPU figures; compare versions in the same run.
+Runs anywhere (no GPU): what it measures is streamlane's own bookkeeping per call and the
+scheduler's thread hand-offs, the part a GPU run cannot separate from driver calls. CPU
+figures; compare versions in the same run.
 
 Usage: python bench/bench_overhead.py [--out F]
 """
@@ -80,7 +82,50 @@ def main() -> None:
                      "call_min_us": c_min, "call_median_us": c_med})
     rep.section("Python cost per call (null device)", rows,
                 "no driver work: the runtime's bookkeeping only")
+    rep.section("scheduler on the null device", [sched_row(dev, b) for b in BACKENDS],
+                "await latency of sched.run (1 lane, sequential) and throughput (4 lanes, 500 "
+                "tasks x 10 runs): thread hand-offs and Python only")
     rep.write(args.out)
+
+
+BACKENDS = ("asyncio", "uvloop", "trio")
+
+
+def sched_row(dev: Any, backend: str) -> dict[str, Any]:
+    import anyio
+
+    from streamlane.sched import Scheduler
+
+    x = Result.from_host(np.ones(1024, np.float32), dev)
+
+    async def main() -> dict[str, Any]:
+        m = chain(dev, 1)
+        async with Scheduler(dev, lanes=1, timing=False) as sched:
+            for _ in range(200):
+                await sched.run(m, [x])
+            lat = []
+            for _ in range(2000):
+                t = time.perf_counter()
+                await sched.run(m, [x])
+                lat.append(time.perf_counter() - t)
+        lat.sort()
+        methods = [chain(dev, 1) for _ in range(4)]
+        async with Scheduler(dev, lanes=4, timing=False) as sched:
+            async def worker(i: int) -> None:
+                for _ in range(10):
+                    await sched.run(methods[i % 4], [x])
+
+            t = time.perf_counter()
+            async with anyio.create_task_group() as tg:
+                for i in range(500):
+                    tg.start_soon(worker, i)
+            wall = time.perf_counter() - t
+        return {"loop": backend, "p50_us": lat[len(lat) // 2] * 1e6, "min_us": lat[0] * 1e6,
+                "p99_us": lat[int(len(lat) * 0.99)] * 1e6, "programs_per_s": 5000 / wall}
+
+    if backend == "uvloop":
+        return anyio.run(main, backend="asyncio", backend_options={"use_uvloop": True})
+    return anyio.run(main, backend=backend)
 
 
 if __name__ == "__main__":

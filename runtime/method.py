@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 __all__ = ["Method"]
 
 OPTIONS = {"clone_outputs": True, "use_shared_stream": False}
+TRIM_AFTER = 64  # executes with more than two buffers, one of them free, before freeing extras
 
 # Test-only switch: give every step a private stream with nothing ordering them (the bug of
 # seed 000). Never part of the public API; tests flip it to prove the determinism test has teeth.
@@ -91,6 +92,7 @@ class Method:
         self._arrays: list[Any] = [None] * (len(mdef.inputs) + len(mdef.outputs)) + list(
             self._env.values())
         self._pools: list[list[PooledBuffer]] = [[] for _ in mdef.outputs]
+        self._spare_runs = [0] * len(mdef.outputs)  # executes in a row with a third buffer idle
         self._views = [device.empty(t.shape, DTYPES[t.dtype], stream, self._uses)
                        for t in mdef.outputs] if not self.clone_outputs else []
         self._steps = [self._plan_step(s) for s in mdef.steps]
@@ -282,11 +284,14 @@ class Method:
         if not self.clone_outputs:
             return []
         taken = []
-        for t, pool in zip(self.definition.outputs, self._pools, strict=True):
+        for j, (t, pool) in enumerate(zip(self.definition.outputs, self._pools, strict=True)):
             for pooled in pool:
                 if not pooled.held:
                     if len(pool) > 2:
-                        self._trim(pool, pooled, stream)
+                        self._spare_runs[j] += 1
+                        if self._spare_runs[j] >= TRIM_AFTER:
+                            self._trim(pool, pooled, stream)
+                            self._spare_runs[j] = 0
                     break
             else:
                 pooled = PooledBuffer(self.device.empty(t.shape, DTYPES[t.dtype], stream),
@@ -298,7 +303,9 @@ class Method:
 
     @staticmethod
     def _trim(pool: list[PooledBuffer], keep: PooledBuffer, stream: Stream) -> None:
-        """Shrink back to two buffers once extra ones are free again (stream-ordered free)."""
+        """Shrink back to two buffers once extra ones have been free for ``TRIM_AFTER``
+        executes (stream-ordered free); a pattern that needs three buffers every other call
+        then keeps them instead of allocating each time."""
         for p in [p for p in pool if not p.held and p is not keep][: len(pool) - 2]:
             p.prepare_write(stream)
             pool.remove(p)

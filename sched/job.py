@@ -111,7 +111,6 @@ class Job:
         "lane",
         "method",
         "name",
-        "outputs",
         "results",
         "span",
         "stream",
@@ -125,7 +124,6 @@ class Job:
         self.name: str = method.name
         self.lane = lane
         self.stream = stream
-        self.outputs = JobOutputs(self, len(method.definition.outputs))
         # Written by the lane before it publishes the job:
         self.event: Event | None = None
         self.results: list[Result] | None = None
@@ -149,6 +147,15 @@ class Job:
         self._retrieved = False
 
     # -- public state ---------------------------------------------------------------------
+    @property
+    def outputs(self) -> JobOutputs:
+        """The job's outputs as ``JobOutput``s, usable as inputs of later submits right away.
+
+        Made on each access, so a job and its outputs form no reference cycle: a finished job
+        is freed as soon as nobody holds it, and its output buffers go back to their method's
+        pool at once instead of at the next garbage collection."""
+        return JobOutputs(self, len(self.method.definition.outputs))
+
     @property
     def state(self) -> str:
         """``queued`` (waiting for its lane), ``running`` (enqueued on the device), ``done``,

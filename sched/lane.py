@@ -89,6 +89,7 @@ class Lane:
         self._completions: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._queued = self._in_flight = self._completed = 0
+        self._handed = 0  # jobs given to the waiter thread and not yet settled by it
         self._busy_s = 0.0
         self.stream_handle: int | None = None
         self.startup_error: BaseException | None = None
@@ -214,8 +215,46 @@ class Lane:
             self._in_flight += 1
         job.track = track
         job._publish(end, results, None)
-        self._completions.put(job)
+        if not self._complete_here(job):
+            with self._lock:
+                self._handed += 1
+            self._completions.put(job)
         return None
+
+    def _complete_here(self, job: Job) -> bool:
+        """Report ``job`` from the lane thread itself, skipping the hop to the waiter thread,
+        when the lane has nothing else to do and the job completes within the spin budget.
+
+        Only when the waiter holds no job of this lane, so completions stay in lane order."""
+        if self._handed or not self._jobs.empty():
+            return False
+        event = job.event
+        assert event is not None
+        try:
+            if not event.query():
+                deadline = time.perf_counter() + self._core.spin_s
+                while True:
+                    if time.perf_counter() >= deadline or not self._jobs.empty():
+                        return False
+                    if event.query():
+                        break
+        except Exception:  # a device error: the waiter's blocking wait reports it
+            return False
+        self._settle([job], None)
+        return True
+
+    def _settle(self, batch: list[Job], error: BaseException | None) -> None:
+        """Count ``batch`` as completed and hand it to the loop (any thread of this lane)."""
+        core = self._core
+        busy = self._spans(batch) if error is None and core.timing else 0.0
+        with self._lock:
+            self._in_flight -= len(batch)
+            self._completed += len(batch)
+            self._busy_s += busy
+        if error is not None:
+            core.break_(error, batch[0])
+            error = core.broken_error() or error
+        core.waker.post(_Call(core.finish_batch, batch, error))
 
     def _wait_published(self, dep: Job) -> None:
         core = self._core
@@ -235,11 +274,11 @@ class Lane:
     # -- waiter thread ----------------------------------------------------------------------
     def _run_waiter(self) -> None:
         core = self._core
-        held: Job | None = None
+        held: Any = _NOTHING  # a job (or the stop sentinel None) taken ahead of its turn
         try:
             while True:
-                job = held if held is not None else self._completions.get()
-                held = None
+                job = held if held is not _NOTHING else self._completions.get()
+                held = _NOTHING
                 if job is None:
                     break
                 error: BaseException | None = None
@@ -258,15 +297,9 @@ class Lane:
                             held = nxt
                             break
                         batch.append(nxt)
-                busy = self._spans(batch) if error is None and core.timing else 0.0
+                self._settle(batch, error)
                 with self._lock:
-                    self._in_flight -= len(batch)
-                    self._completed += len(batch)
-                    self._busy_s += busy
-                if error is not None:
-                    core.break_(error, job)
-                    error = core.broken_error() or error
-                core.waker.post(_Call(core.finish_batch, batch, error))
+                    self._handed -= len(batch)
         finally:
             if self.exited is not None:
                 core.waker.post(self.exited.set)
@@ -299,6 +332,9 @@ class Lane:
             busy += t1 - t0
             core.record_span(Span(job.id, job.name, self.index, job.track, t0, t1))
         return busy
+
+
+_NOTHING = object()
 
 
 def _complete(job: Job) -> bool:

@@ -80,9 +80,9 @@ def test_when_both_buffers_are_held_the_next_execute_allocates(device):
         np.testing.assert_array_equal(r.to_host(), 2 * x)
     del held, r
     gc.collect()
-    for _ in range(4):
+    for _ in range(10):
         out = m([xs[0]])[0]
-    assert len(m._pools[0]) == 2, "extra buffers are returned once free"
+    assert len(m._pools[0]) == 2, "extra buffers are returned once free for a while"
     np.testing.assert_array_equal(out.to_host(), 2 * xs[0])
 
 
