@@ -13,6 +13,7 @@ import pytest
 
 from streamlane.runtime import CallerStream, Program, Result
 from streamlane.runtime.errors import InvalidArgument
+from streamlane.runtime.method import TRIM_AFTER
 
 RNG = np.random.default_rng()
 
@@ -80,7 +81,7 @@ def test_when_both_buffers_are_held_the_next_execute_allocates(device):
         np.testing.assert_array_equal(r.to_host(), 2 * x)
     del held, r
     gc.collect()
-    for _ in range(10):
+    for _ in range(TRIM_AFTER + 2):
         out = m([xs[0]])[0]
     assert len(m._pools[0]) == 2, "extra buffers are returned once free for a while"
     np.testing.assert_array_equal(out.to_host(), 2 * xs[0])
