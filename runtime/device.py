@@ -437,10 +437,3 @@ def get_device(name: str | None = None) -> Device:
                 dev = CudaDevice(int(idx))
             _devices[key] = dev
     return dev
-
-
-def _reset_device_cache_for_tests() -> None:
-    with _devices_lock:
-        _devices.clear()
-
-

@@ -4,7 +4,6 @@ problem raises ``InvalidProgram`` naming the JSON path of the bad field."""
 
 from __future__ import annotations
 
-import io
 import json
 import math
 import re
@@ -557,9 +556,3 @@ def _is_int(v: Any) -> bool:
 def _join(where: str, key: str) -> str:
     return f"{where}.{key}" if where else key
 
-
-def manifest_bytes(program: Program) -> bytes:
-    """The manifest as saved (for tests and hashing)."""
-    buf = io.StringIO()
-    json.dump(program.to_manifest(), buf, indent=1)
-    return buf.getvalue().encode()
