@@ -141,7 +141,11 @@ class Method:
             return self._accept_cai(index, value, cai, want, decl.shape, expected)
         if isinstance(value, np.ndarray) or hasattr(value, "__array_interface__") or \
                 hasattr(value, "__array__"):
-            array = np.asarray(value)
+            try:
+                array = np.asarray(value)
+            except Exception as exc:  # e.g. a GPU array given to a host-device method
+                raise InvalidInput(self.name, index, f"{expected} readable on the host or a "
+                                   f"Result", type(value).__name__, str(exc)) from None
         elif hasattr(value, "__dlpack__"):
             try:
                 array = np.from_dlpack(value)

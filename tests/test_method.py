@@ -368,3 +368,14 @@ def test_concurrent_execute_from_two_threads_is_refused(host):
     go_on.set()
     t.join(5)
     check(p, [x], m.get_outputs())
+
+
+def test_objects_that_refuse_host_conversion_raise_invalid_input(host):
+    class DeviceOnly:
+        def __array__(self, *args, **kwargs):
+            raise TypeError("implicit conversion to a host array is not allowed")
+
+    m = mlp().method("forward", device=host)
+    with pytest.raises(InvalidInput, match="implicit conversion") as info:
+        m.set_inputs([DeviceOnly()])
+    assert info.value.index == 0
