@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from . import control, elementwise, linalg, rows
+from . import control, elementwise, layout, linalg, rows
 from .spec import KernelSpec
 
 
@@ -23,7 +23,8 @@ class UnknownKernel(KeyError):
 
 def _registry() -> Mapping[str, KernelSpec]:
     table: dict[str, KernelSpec] = {}
-    for spec in (*elementwise.SPECS, *linalg.SPECS, *rows.SPECS, *control.SPECS):
+    for spec in (*elementwise.SPECS, *linalg.SPECS, *rows.SPECS, *control.SPECS,
+                 *layout.SPECS):
         # The entry naming rule lets a profiler trace be read without this table.
         if spec.name in table or spec.entry != f"sl_{spec.name}":
             raise RuntimeError(f"kernel {spec.name!r} is registered twice or its entry "

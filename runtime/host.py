@@ -14,6 +14,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import queue
 import threading
@@ -232,7 +233,11 @@ class HostDevice(Device):
     @staticmethod
     def view(array: DeviceArray) -> np.ndarray:
         """The numpy view of a host-device array (for host kernels and tests)."""
-        raw = array.buffer._impl[array.offset:array.offset + array.nbytes]
+        storage = array.buffer._impl
+        if storage is None:  # borrowed memory (another library's array): view it in place
+            storage = np.ctypeslib.as_array(
+                (ctypes.c_uint8 * array.buffer.nbytes).from_address(array.buffer.ptr))
+        raw = storage[array.offset:array.offset + array.nbytes]
         return raw.view(array.dtype).reshape(array.shape)
 
     def _copy_h2d(self, dst: DeviceArray, src: np.ndarray, stream_impl: _Worker) -> None:

@@ -41,14 +41,19 @@ _PRIVATE_STREAM_PER_STEP = False
 
 
 class _Foreign:
-    """An input borrowed from another library (``__cuda_array_interface__``)."""
+    """An input borrowed from another library (``__cuda_array_interface__``). In another layout
+    it is gathered on the device into the input's slot (``gather``: the prepared
+    ``strided_copy`` and the shape + byte strides it reads)."""
 
-    __slots__ = ("array", "obj", "stream_handle")
+    __slots__ = ("array", "gather", "meta", "obj", "stream_handle")
 
-    def __init__(self, array: DeviceArray, obj: Any, stream_handle: int | None):
+    def __init__(self, array: DeviceArray, obj: Any, stream_handle: int | None,
+                 gather: Any = None, meta: np.ndarray | None = None):
         self.array = array
         self.obj = obj
         self.stream_handle = stream_handle
+        self.gather = gather
+        self.meta = meta
 
 
 class Method:
@@ -86,6 +91,7 @@ class Method:
         self._input_decls = mdef.inputs
         self._n_inputs = len(mdef.inputs)
         self._slots: list[DeviceArray | None] = [None] * len(mdef.inputs)
+        self._metas: dict[int, DeviceArray] = {}  # layouts of gathered inputs, by input index
         # Every tensor of an execute by index: inputs, outputs, then constants and buffers.
         names = [t.name for t in (*mdef.inputs, *mdef.outputs)] + list(self._env)
         self._index = {n: i for i, n in enumerate(names)}
@@ -198,16 +204,34 @@ class Method:
             dtype = want  # bfloat16 arrives as raw bytes (typestr "<V2")
         self._check_meta(index, dtype, got_shape, want, shape, expected)
         strides = cai.get("strides")
-        if strides is not None and tuple(strides) != _contiguous_strides(got_shape, dtype):
-            raise InvalidInput(self.name, index, f"{expected} in C-contiguous layout",
-                               f"strides {tuple(strides)}",
-                               "call .contiguous() (torch) or cupy.ascontiguousarray() first")
-        nbytes = max(1, int(np.prod(got_shape)) * dtype.itemsize)
-        borrowed = Buffer.__new__(Buffer)  # a view of foreign memory: never freed by us
-        borrowed.device, borrowed.ptr, borrowed.nbytes, borrowed._impl = \
-            self.device, ptr, nbytes, None
-        borrowed._finalizer = _NoFinalizer()
-        return _Foreign(DeviceArray(borrowed, want, got_shape), obj, cai.get("stream"))
+        if strides is not None:
+            try:
+                strides = tuple(int(s) for s in strides)
+            except (TypeError, ValueError):
+                raise InvalidInput(self.name, index, expected, "malformed strides in "
+                                   "__cuda_array_interface__", repr(strides)) from None
+            if len(strides) != len(got_shape):
+                raise InvalidInput(self.name, index, expected,
+                                   f"{len(strides)} strides for {len(got_shape)} dimensions")
+            if strides == _contiguous_strides(got_shape, dtype):
+                strides = None
+        if strides is None:
+            nbytes = max(1, int(np.prod(got_shape)) * dtype.itemsize)
+            return _Foreign(DeviceArray(_borrow(self.device, ptr, nbytes), want, got_shape), obj,
+                            cai.get("stream"))
+        # Another layout: gather it into the exported layout on the device (strided_copy).
+        if not 1 <= len(got_shape) <= 8:
+            raise InvalidInput(self.name, index, f"{expected} of rank 1..8 when not "
+                               f"C-contiguous", f"rank {len(got_shape)}")
+        span = sum((d - 1) * abs(s) for d, s in zip(got_shape, strides, strict=True)) + \
+            dtype.itemsize
+        meta = np.array([*got_shape, *strides], np.int64)
+        size = int(np.prod(got_shape))
+        gather = self.device.prepare(
+            "strided_copy", [(span,), meta.shape], [(size * dtype.itemsize,)],
+            {"n": size, "rank": len(got_shape), "itemsize": dtype.itemsize}, dtype="uint8")
+        source = DeviceArray(_borrow(self.device, ptr, span), np.dtype(np.uint8), (span,))
+        return _Foreign(source, obj, cai.get("stream"), gather, meta)
 
     # -- execution -----------------------------------------------------------------------
     def execute(self) -> None:
@@ -236,7 +260,8 @@ class Method:
                 elif isinstance(value, _Foreign):
                     if value.stream_handle:  # the producer's stream (CAI v3): order after it
                         stream.wait(device.wrap_stream(_Handle(value.stream_handle)).record())
-                    arrays[i] = value.array
+                    arrays[i] = value.array if value.gather is None else \
+                        self._gather_input(i, value, stream)
                 else:
                     slot = self._slots[i]
                     if slot is None:
@@ -334,6 +359,22 @@ class Method:
 
         return run_callable, ins, outs
 
+    def _gather_input(self, index: int, value: _Foreign, stream: Stream) -> DeviceArray:
+        """Copy a device input in another layout into the input's slot, on ``stream``."""
+        decl = self._input_decls[index]
+        slot = self._slots[index]
+        if slot is None:
+            slot = self._slots[index] = self.device.empty(decl.shape, DTYPES[decl.dtype], stream,
+                                                          self._uses)
+        meta = self._metas.get(index)
+        if meta is None or meta.shape != value.meta.shape:
+            meta = self._metas[index] = self.device.empty(value.meta.shape, "int64", stream,
+                                                          self._uses)
+        self.device.copy_from_host(meta, value.meta, stream)
+        value.gather.run(stream, (value.array, meta),
+                         (slot.buffer.view(np.uint8, (slot.nbytes,), slot.offset),))
+        return slot
+
     def _private_stream(self, index: int) -> Stream:
         """Test-only: the step's own stream, ordered with nothing (the bug rule 1 forbids)."""
         if not self._private_streams:
@@ -378,6 +419,15 @@ class _NoFinalizer:
 
     def detach(self) -> None:
         pass
+
+
+def _borrow(device: Device, ptr: int, nbytes: int) -> Buffer:
+    """A Buffer over memory another library owns: never freed by us."""
+    borrowed = Buffer.__new__(Buffer)
+    borrowed.device, borrowed.ptr, borrowed.nbytes, borrowed._impl = device, ptr, nbytes, None
+    borrowed.uses = {}
+    borrowed._finalizer = _NoFinalizer()
+    return borrowed
 
 
 class _Handle:

@@ -126,16 +126,18 @@ def test_reference_shapes_and_known_values():
 
 # -- registry ----------------------------------------------------------------------------------
 ALL = ["add", "axpy", "copy", "fill", "gelu", "latch", "layernorm", "matmul", "mul", "reduce_sum",
-       "relu", "scale", "softmax", "spin"]
+       "relu", "scale", "softmax", "spin", "strided_copy"]
+RUNTIME_ONLY = {"latch", "strided_copy"}  # kernels programs cannot name
+FLOAT_KERNELS = [n for n in ALL if n != "strided_copy"]  # strided_copy works on bytes
 
 
 def test_registry_lists_every_kernel():
     assert K.kernel_names() == ALL
-    assert K.kernel_names(in_programs_only=True) == [n for n in ALL if n != "latch"]
+    assert K.kernel_names(in_programs_only=True) == [n for n in ALL if n not in RUNTIME_ONLY]
     assert set(K.KERNELS) == set(ALL)
     for name, spec in K.KERNELS.items():
-        assert spec.name == name and spec.entry == f"sl_{name}" and spec.dtypes == ("float32",)
-        assert spec.doc
+        assert spec.name == name and spec.entry == f"sl_{name}" and spec.doc
+        assert spec.dtypes == (("uint8",) if name == "strided_copy" else ("float32",))
 
 
 def test_registry_is_read_only():
@@ -159,7 +161,7 @@ def _spec_error(fn, *args) -> KernelSpecError:
     return info.value
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", FLOAT_KERNELS)
 def test_wrong_arity_names_in(name):
     spec = K.get_kernel(name)
     params = {"us": 1} if name == "spin" else {"flag_ptr": 1} if name == "latch" else {}
@@ -259,7 +261,7 @@ def test_params_defaults_and_coercion():
 
 # -- launch rules and CUDA signatures ----------------------------------------------------------
 _CTYPE_OF = {"long long": ctypes.c_longlong, "float": ctypes.c_float,
-             "unsigned long long": ctypes.c_ulonglong}
+             "unsigned long long": ctypes.c_ulonglong, "int": ctypes.c_int}
 
 
 def _signature(spec) -> list[str]:
@@ -279,7 +281,7 @@ def _example(name):
     }.get(name, ([(5, 7)], [(5, 7)], {}))
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", FLOAT_KERNELS)
 def test_configure_matches_the_cuda_signature(name):
     spec = K.get_kernel(name)
     ins, outs, params = _example(name)
@@ -370,3 +372,49 @@ def test_latch_host_twin_without_release_fails_fast():
     latch = K.get_kernel("latch")
     err = _spec_error(latch.host, [], [], latch.resolve_params({"flag_ptr": 0}))
     assert err.where == "params._release"
+
+
+@pytest.mark.parametrize("make", [
+    lambda a: a.T,
+    lambda a: a[::2, 1::3],
+    lambda a: np.asfortranarray(a),
+    lambda a: a.reshape(4, 6, 5).transpose(2, 0, 1)[:, 1:, ::2],
+], ids=["transpose", "slices", "fortran", "3d"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int8, np.float16])
+def test_strided_copy_gathers_any_layout_into_c_order(make, dtype):
+    spec = K.get_kernel("strided_copy")
+    base = (np.random.default_rng().standard_normal((24, 5)) * 50).astype(dtype)
+    view = make(base)
+    root = view
+    while isinstance(root.base, np.ndarray):  # the array that owns the memory
+        root = root.base
+    offset = view.__array_interface__["data"][0] - root.__array_interface__["data"][0]
+    raw = root.reshape(-1, order="A").view(np.uint8)[offset:]  # bytes from the first element
+    meta = np.array([*view.shape, *view.strides], np.int64)
+    params = spec.resolve_params({"n": view.size, "rank": view.ndim,
+                                  "itemsize": view.itemsize})
+    (shape,) = spec.infer([raw.shape, meta.shape], params)
+    out = np.full(shape, 0xAB, np.uint8)
+    spec.host([raw, meta], [out], params)
+    np.testing.assert_array_equal(out.view(dtype).reshape(view.shape), view)
+    config = spec.configure([raw.shape, meta.shape], [shape], params)
+    assert config.scalars[0][0] == view.size and len(config.scalars) == 3
+
+
+def test_strided_copy_checks_its_meta():
+    spec = K.get_kernel("strided_copy")
+    params = spec.resolve_params({"n": 6, "rank": 2, "itemsize": 4})
+    with pytest.raises(K.KernelSpecError, match="meta"):
+        spec.infer([(24,), (3,)], params)
+    with pytest.raises(K.KernelSpecError):
+        spec.resolve_params({"n": 6, "rank": 9, "itemsize": 4})
+
+
+def test_strided_copy_configure_matches_its_cuda_signature():
+    spec = K.get_kernel("strided_copy")
+    params = spec.resolve_params({"n": 10, "rank": 2, "itemsize": 4})
+    cfg = spec.configure([(40,), (4,)], [(40,)], params)
+    args = _signature(spec)
+    assert args[:3] == ["const unsigned char*", "const long long*", "unsigned char*"]
+    assert [ctype for _, ctype in cfg.scalars] == [_CTYPE_OF[a] for a in args[3:]]
+    assert [value for value, _ in cfg.scalars] == [10, 2, 4]

@@ -379,3 +379,72 @@ def test_objects_that_refuse_host_conversion_raise_invalid_input(host):
     with pytest.raises(InvalidInput, match="implicit conversion") as info:
         m.set_inputs([DeviceOnly()])
     assert info.value.index == 0
+
+
+class _CudaArrayInterface:
+    """An object exposing only ``__cuda_array_interface__`` (as CuPy or torch arrays do)."""
+
+    def __init__(self, array, stream=None):
+        self.array = array  # keeps the memory alive
+        self.__cuda_array_interface__ = {
+            "shape": array.shape, "typestr": array.dtype.str, "version": 3,
+            "data": (array.__array_interface__["data"][0], False),
+            "strides": None if array.flags.c_contiguous else array.strides, "stream": stream}
+
+
+def emulated_cuda_host():
+    """The host device presenting itself as CUDA, so the ``__cuda_array_interface__`` input path
+    (borrowed memory, and the on-device gather of other layouts) runs on host memory."""
+    from streamlane.runtime.host import HostDevice
+
+    class Emulated(HostDevice):
+        kind = "cuda"
+
+    return Emulated()
+
+
+@pytest.mark.parametrize("make", [lambda a: a, lambda a: a.T, lambda a: a[::2, ::3].T,
+                                  lambda a: np.asfortranarray(a)[:, 1:]],
+                         ids=["contiguous", "transposed", "sliced", "fortran"])
+def test_device_arrays_in_another_layout_are_gathered_on_the_device(make):
+    dev = emulated_cuda_host()
+    base = RNG.standard_normal((16, 24)).astype(np.float32)
+    x = make(base)
+    b = Program.build("twice")
+    m_ = b.method("forward", x=("float32", list(x.shape)))
+    m_.output(m_.step("scale", "x", out="y", factor=2.0))
+    m = b.finish().method("forward", device=dev)
+    out = m([_CudaArrayInterface(x)])[0]
+    np.testing.assert_array_equal(out.to_host(), 2 * x)
+    x2 = make(RNG.standard_normal((16, 24)).astype(np.float32))
+    np.testing.assert_array_equal(m([_CudaArrayInterface(x2)])[0].to_host(), 2 * x2)
+
+
+def test_malformed_cuda_array_interfaces_raise_invalid_input():
+    dev = emulated_cuda_host()
+    m = mlp().method("forward", device=dev)
+    good = _CudaArrayInterface(RNG.standard_normal((4, 16)).astype(np.float32))
+    for bad in ({"shape": (4, 16)}, {**good.__cuda_array_interface__, "strides": (4,)},
+                {**good.__cuda_array_interface__, "strides": ("x", 4)},
+                {**good.__cuda_array_interface__, "typestr": "<f8"}):
+        obj = _CudaArrayInterface(good.array)
+        obj.__cuda_array_interface__ = bad
+        with pytest.raises(InvalidInput) as info:
+            m.set_inputs([obj])
+        assert info.value.index == 0
+
+
+@pytest.mark.cuda
+def test_torch_and_cupy_inputs_in_other_layouts_are_gathered_on_the_gpu(cuda_device):
+    torch = pytest.importorskip("torch")
+    b = Program.build("twice")
+    m_ = b.method("forward", x=("float32", [24, 16]))
+    m_.output(m_.step("scale", "x", out="y", factor=2.0))
+    m = b.finish().method("forward", device=cuda_device)
+    base = RNG.standard_normal((16, 24)).astype(np.float32)
+    t = torch.from_numpy(base).cuda().T  # a transposed view: strides (1, 24) elements
+    assert not t.is_contiguous()
+    np.testing.assert_array_equal(m([t])[0].to_host(), 2 * base.T)
+    cp = pytest.importorskip("cupy")
+    c = cp.asarray(base.T.copy())[::-1]  # negative strides
+    np.testing.assert_array_equal(m([c])[0].to_host(), 2 * base.T[::-1])
