@@ -153,3 +153,74 @@ async def test_cancel_storm_survivors_are_correct_and_nothing_leaks(host):
             m([inputs[0]])[0].to_host()
     gc.collect()
     assert host.stats.allocations - host.stats.frees == live
+
+
+GPU_FAULT_SCRIPT = r"""
+import anyio
+import numpy as np
+
+from streamlane.runtime import Program, get_device
+from streamlane.runtime.errors import DeviceError
+from streamlane.sched import Scheduler
+
+dev = get_device("cuda")
+b = Program.build("p")
+m_ = b.method("forward", x=("float32", [1 << 20]))
+m_.output(m_.step("scale", "x", out="y", factor=2.0))
+program = b.finish()
+
+
+class Wild:  # a "device array" at an address nothing owns: the kernel faults reading it
+    __cuda_array_interface__ = {"shape": (1 << 20,), "typestr": "<f4", "data": (0x1000, False),
+                                "version": 3, "strides": None, "stream": None}
+
+
+async def main():
+    m1, m2 = program.method("forward", device=dev), program.method("forward", device=dev)
+    x = np.ones(1 << 20, np.float32)
+    async with Scheduler(dev, lanes=1) as sched:
+        faulty = await sched.submit(m1, [Wild()])
+        later = [await sched.submit(m2, [x]) for _ in range(3)]
+        try:
+            await faulty
+            print("faulty: no error")
+        except DeviceError as exc:
+            print("faulty:", exc.code)
+        for job in later:
+            try:
+                await job
+                print("later: ok")
+            except DeviceError as exc:
+                print("later:", type(exc).__name__)
+        try:
+            await sched.submit(m2, [x])
+            print("submit: accepted")
+        except DeviceError as exc:
+            print("submit:", type(exc).__name__)
+
+
+try:
+    anyio.run(main)
+except DeviceError as exc:
+    print("exit:", type(exc).__name__)
+"""
+
+
+@pytest.mark.cuda
+def test_a_faulting_kernel_on_the_gpu_breaks_the_scheduler_without_a_hang(cuda_device):
+    """A real device fault (an illegal address) fails the faulty job with the driver's error,
+    every job behind it, and every later submit; the process ends. In a subprocess: the fault
+    poisons the CUDA context for good."""
+    import subprocess
+    import sys
+
+    try:
+        proc = subprocess.run([sys.executable, "-c", GPU_FAULT_SCRIPT], capture_output=True,
+                              text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the scheduler hung after a device fault")
+    lines = proc.stdout.splitlines()
+    assert any(line.startswith("faulty: CUDA_ERROR_") for line in lines), proc.stdout + \
+        proc.stderr[-2000:]
+    assert "later: ok" not in lines, proc.stdout
+    assert "submit: SchedulerBroken" in lines, proc.stdout
