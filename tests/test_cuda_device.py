@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 import pytest
+from thread_helpers import in_thread
 
 from streamlane.kernels import get_kernel
 from streamlane.runtime import cuda, get_device
@@ -30,24 +31,6 @@ class _Handle:
 
     def __cuda_stream__(self):
         return (0, self.handle)
-
-
-def _in_thread(fn):
-    box = {}
-
-    def run():
-        try:
-            box["value"] = fn()
-        except BaseException as exc:  # surfaced to the test thread
-            box["error"] = exc
-
-    t = threading.Thread(target=run)
-    t.start()
-    t.join(30)
-    assert not t.is_alive(), "the thread did not finish"
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
 
 
 # -- without a GPU ------------------------------------------------------------------------------
@@ -111,7 +94,7 @@ def test_per_thread_stream_differs_between_threads_and_is_one_object_per_thread(
         s.record().synchronize()  # a fresh thread gets the context made current by itself
         return s
 
-    other = _in_thread(other_thread)
+    other = in_thread(other_thread)
     assert other is not mine and other != mine
     assert other.handle == mine.handle  # one handle, a different stream on every thread
     mine.record().synchronize()
@@ -121,7 +104,7 @@ def test_per_thread_stream_differs_between_threads_and_is_one_object_per_thread(
 def test_legacy_stream_is_one_object_shared_by_threads(cuda_device):
     legacy = cuda_device.legacy_stream()
     assert legacy.kind == "legacy" and legacy.handle == 0x1
-    assert _in_thread(cuda_device.legacy_stream) is legacy
+    assert in_thread(cuda_device.legacy_stream) is legacy
     legacy.record().synchronize()
     assert cuda_device.wrap_stream(_Handle(0)) is legacy
     assert cuda_device.wrap_stream(_Handle(1)) is legacy
@@ -336,7 +319,7 @@ def test_work_from_a_fresh_thread_runs_on_its_own_per_thread_stream(cuda_device)
         dev.launch("scale", s, [x], [x], {"factor": -1.0})
         return dev.to_host(x, s)
 
-    np.testing.assert_array_equal(_in_thread(work), -np.arange(256, dtype=np.float32))
+    np.testing.assert_array_equal(in_thread(work), -np.arange(256, dtype=np.float32))
 
 
 @pytest.mark.cuda

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import threading
 import time
 
 import numpy as np
 import pytest
+from thread_helpers import in_thread
 
 from streamlane.runtime import CallerStream, current_stream, get_device
 from streamlane.runtime.errors import (
@@ -17,28 +17,11 @@ from streamlane.runtime.errors import (
 )
 
 
-def _in_thread(fn):
-    box = {}
-
-    def run():
-        try:
-            box["value"] = fn()
-        except BaseException as exc:  # surfaced to the test thread
-            box["error"] = exc
-
-    t = threading.Thread(target=run)
-    t.start()
-    t.join(10)
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
-
-
 def test_per_thread_stream_differs_between_threads_and_is_stable_on_one(device):
     mine = device.per_thread_stream()
     assert device.per_thread_stream() is mine
     assert current_stream(device) is mine
-    other = _in_thread(device.per_thread_stream)
+    other = in_thread(device.per_thread_stream)
     assert other != mine
     assert other.kind == mine.kind == "per-thread"
 
@@ -46,13 +29,13 @@ def test_per_thread_stream_differs_between_threads_and_is_stable_on_one(device):
 def test_per_thread_stream_refuses_use_from_another_thread(device):
     mine = device.per_thread_stream()
     with pytest.raises(InvalidState, match="per-thread stream of another thread"):
-        _in_thread(lambda: mine.record())
+        in_thread(lambda: mine.record())
 
 
 def test_legacy_stream_is_explicit_and_shared(device):
     legacy = device.legacy_stream()
     assert legacy.kind == "legacy"
-    assert _in_thread(device.legacy_stream) is legacy
+    assert in_thread(device.legacy_stream) is legacy
     legacy.record().synchronize()
 
 
@@ -131,7 +114,7 @@ def test_caller_stream_none_is_legacy_and_distinct_from_no_guard(device):
 def test_caller_stream_guard_is_invisible_to_other_threads(device):
     with device.create_stream() as s, CallerStream(s):
         assert current_stream(device) is s
-        seen = _in_thread(lambda: current_stream(device))
+        seen = in_thread(lambda: current_stream(device))
         assert seen.kind == "per-thread" and seen != s
 
 
