@@ -109,12 +109,18 @@ class Device(ABC):
                                   f"(only version 0)")
         if handle < 0 or handle >= 1 << 64:
             raise InvalidArgument(f"__cuda_stream__ returned an invalid handle {handle}")
+        return self.stream_from_handle(handle, keepalive=obj)
+
+    def stream_from_handle(self, handle: int, keepalive: Any = None) -> Stream:
+        """The stream a raw CUDA handle names (0/1: legacy, 2: this thread's per-thread
+        stream, else a borrowed foreign stream kept with ``keepalive``)."""
+        if isinstance(handle, bool) or not isinstance(handle, int) or not 0 <= handle < 1 << 64:
+            raise InvalidArgument(f"invalid stream handle {handle!r}")
         if handle in (0, 1):
             return self.legacy_stream()
         if handle == 2:
             return self.per_thread_stream()
-        impl = self._foreign_stream(handle)
-        return Stream(self, FOREIGN, handle, impl, keepalive=obj)
+        return Stream(self, FOREIGN, handle, self._foreign_stream(handle), keepalive=keepalive)
 
     # -- events -----------------------------------------------------------------------------
     def create_event(self, *, timing: bool = False) -> Event:

@@ -36,11 +36,23 @@ class Buffer:
         self.nbytes = nbytes
         self._impl = impl
         self.uses: dict[Any, Any] = {} if uses is None else uses
-        self._finalizer = weakref.finalize(self, device._free_quiet, ptr, impl, self.uses)
+        self._finalizer: weakref.finalize | None = weakref.finalize(
+            self, device._free_quiet, ptr, impl, self.uses)
+
+    @classmethod
+    def borrowed(cls, device: Device, ptr: int, nbytes: int) -> Buffer:
+        """A view of memory another library owns (``__cuda_array_interface__``): never freed
+        by us; its owner keeps it alive."""
+        buffer = cls.__new__(cls)
+        buffer.device, buffer.ptr, buffer.nbytes, buffer._impl = device, ptr, nbytes, None
+        buffer.uses = {}
+        buffer._finalizer = None
+        return buffer
 
     def free(self, stream: Stream | None = None) -> None:
-        """Return the memory, ordered after the work queued on ``stream`` (idempotent)."""
-        if not self._finalizer.alive:
+        """Return the memory, ordered after the work queued on ``stream`` (idempotent; a no-op
+        for borrowed memory)."""
+        if self._finalizer is None or not self._finalizer.alive:
             return
         self._finalizer.detach()
         self.device._free(self.ptr, self._impl, None if stream is None else stream._usable(),
@@ -48,7 +60,7 @@ class Buffer:
 
     @property
     def freed(self) -> bool:
-        return not self._finalizer.alive
+        return self._finalizer is not None and not self._finalizer.alive
 
     def view(self, dtype: np.dtype | str, shape: tuple[int, ...], offset: int = 0) -> DeviceArray:
         return DeviceArray(self, np.dtype(dtype), tuple(shape), offset)

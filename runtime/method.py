@@ -82,21 +82,21 @@ class Method:
         stream = current_stream(device)
         # One record of stream uses for all memory the method owns (freed when it dies).
         self._uses: dict[Any, Event] = {}
-        self._env: dict[str, DeviceArray] = {}
+        owned: dict[str, DeviceArray] = {}
         for name, value in program.constants.items():
-            array = self._env[name] = device.empty(value.shape, value.dtype, stream, self._uses)
+            array = owned[name] = device.empty(value.shape, value.dtype, stream, self._uses)
             device.copy_from_host(array, value, stream)
         for t in mdef.buffers:
-            self._env[t.name] = device.empty(t.shape, DTYPES[t.dtype], stream, self._uses)
+            owned[t.name] = device.empty(t.shape, DTYPES[t.dtype], stream, self._uses)
         self._input_decls = mdef.inputs
         self._n_inputs = len(mdef.inputs)
         self._slots: list[DeviceArray | None] = [None] * len(mdef.inputs)
         self._metas: dict[int, DeviceArray] = {}  # layouts of gathered inputs, by input index
         # Every tensor of an execute by index: inputs, outputs, then constants and buffers.
-        names = [t.name for t in (*mdef.inputs, *mdef.outputs)] + list(self._env)
+        names = [t.name for t in (*mdef.inputs, *mdef.outputs)] + list(owned)
         self._index = {n: i for i, n in enumerate(names)}
         self._arrays: list[Any] = [None] * (len(mdef.inputs) + len(mdef.outputs)) + list(
-            self._env.values())
+            owned.values())
         self._pools: list[list[PooledBuffer]] = [[] for _ in mdef.outputs]
         self._spare_runs = [0] * len(mdef.outputs)  # executes in a row with a third buffer idle
         self._views = [device.empty(t.shape, DTYPES[t.dtype], stream, self._uses)
@@ -115,7 +115,9 @@ class Method:
 
         A wrong count raises and leaves the previous inputs intact; any other bad input raises
         and makes ``execute()`` refuse until every input is passed again."""
-        with self._exclusive("set_inputs"):
+        if not self._guard.acquire(blocking=False):
+            raise _busy(self, "set_inputs")
+        try:
             if not isinstance(values, (list, tuple)):
                 raise InvalidInput(self.name, None, "a list of inputs",
                                    type(values).__name__)
@@ -127,6 +129,8 @@ class Method:
             accepted = [self._accept(i, v) for i, v in enumerate(values)]
             self._inputs = accepted
             self._inputs_valid = True
+        finally:
+            self._guard.release()
 
     def _accept(self, index: int, value: Any) -> Any:
         decl = self._input_decls[index]
@@ -217,8 +221,8 @@ class Method:
                 strides = None
         if strides is None:
             nbytes = max(1, int(np.prod(got_shape)) * dtype.itemsize)
-            return _Foreign(DeviceArray(_borrow(self.device, ptr, nbytes), want, got_shape), obj,
-                            cai.get("stream"))
+            array = DeviceArray(Buffer.borrowed(self.device, ptr, nbytes), want, got_shape)
+            return _Foreign(array, obj, cai.get("stream"))
         # Another layout: gather it into the exported layout on the device (strided_copy).
         if not 1 <= len(got_shape) <= 8:
             raise InvalidInput(self.name, index, f"{expected} of rank 1..8 when not "
@@ -230,7 +234,7 @@ class Method:
         gather = self.device.prepare(
             "strided_copy", [(span,), meta.shape], [(size * dtype.itemsize,)],
             {"n": size, "rank": len(got_shape), "itemsize": dtype.itemsize}, dtype="uint8")
-        source = DeviceArray(_borrow(self.device, ptr, span), np.dtype(np.uint8), (span,))
+        source = DeviceArray(Buffer.borrowed(self.device, ptr, span), np.dtype(np.uint8), (span,))
         return _Foreign(source, obj, cai.get("stream"), gather, meta)
 
     # -- execution -----------------------------------------------------------------------
@@ -253,13 +257,12 @@ class Method:
             used: list[Buffer] = []  # memory of others this execute touches (rule 8)
             for i, value in enumerate(self._inputs):
                 if isinstance(value, Result):
-                    if value.event is not None and value.stream_key != key:
-                        stream.wait(value.event)
+                    value.wait_on(stream)
                     arrays[i] = value.array
                     used.append(value.array.buffer)
                 elif isinstance(value, _Foreign):
                     if value.stream_handle:  # the producer's stream (CAI v3): order after it
-                        stream.wait(device.wrap_stream(_Handle(value.stream_handle)).record())
+                        stream.wait(device.stream_from_handle(value.stream_handle).record())
                     arrays[i] = value.array if value.gather is None else \
                         self._gather_input(i, value, stream)
                 else:
@@ -381,9 +384,6 @@ class Method:
             self._private_streams = [self.device.create_stream() for _ in self._steps]
         return self._private_streams[index]
 
-    def _exclusive(self, what: str) -> _Exclusive:
-        return _Exclusive(self, what)
-
     def __repr__(self) -> str:
         state = ("outputs ready" if self._outputs is not None else
                  "inputs set" if self._inputs_valid else "no inputs")
@@ -391,55 +391,11 @@ class Method:
 
 
 def _busy(method: Method, what: str) -> InvalidState:
+    """Refuse a second thread instead of running unordered (rule 4)."""
     return InvalidState(
         f"{method.name}: {what}() called while another thread is using this method; drive one "
         f"method from one thread at a time (hold a lock around set_inputs/execute/get_outputs, "
         f"or give each thread its own method)")
-
-
-class _Exclusive:
-    """Refuse a second thread instead of running unordered (rule 4)."""
-
-    __slots__ = ("method", "what")
-
-    def __init__(self, method: Method, what: str):
-        self.method = method
-        self.what = what
-
-    def __enter__(self) -> None:
-        if not self.method._guard.acquire(blocking=False):
-            raise _busy(self.method, self.what)
-
-    def __exit__(self, *exc: object) -> None:
-        self.method._guard.release()
-
-
-class _NoFinalizer:
-    alive = True
-
-    def detach(self) -> None:
-        pass
-
-
-def _borrow(device: Device, ptr: int, nbytes: int) -> Buffer:
-    """A Buffer over memory another library owns: never freed by us."""
-    borrowed = Buffer.__new__(Buffer)
-    borrowed.device, borrowed.ptr, borrowed.nbytes, borrowed._impl = device, ptr, nbytes, None
-    borrowed.uses = {}
-    borrowed._finalizer = _NoFinalizer()
-    return borrowed
-
-
-class _Handle:
-    """A bare stream handle presented through the stream protocol."""
-
-    __slots__ = ("handle",)
-
-    def __init__(self, handle: int):
-        self.handle = handle
-
-    def __cuda_stream__(self) -> tuple[int, int]:
-        return (0, self.handle)
 
 
 def _contiguous_strides(shape: tuple[int, ...], dtype: np.dtype) -> tuple[int, ...]:

@@ -64,16 +64,14 @@ class PooledBuffer:
         if not self.exported:
             return
         with self.lock:
-            exported, self.exported = self.exported, False
+            self.exported = False
             consumers, self.export_streams = self.export_streams, []
-        if exported:
-            device = stream.device
-            if consumers and all(c is not None for c in consumers):
-                for c in consumers:  # everything the consumer queued before it let go
-                    if c.key != stream.key:
-                        stream.wait(c.record())
-            else:  # a consumer on an unknown stream: only a device-wide wait is safe
-                device.synchronize()
+        if consumers and all(c is not None for c in consumers):
+            for c in consumers:  # everything the consumer queued before it let go
+                if c.key != stream.key:
+                    stream.wait(c.record())
+        else:  # a consumer on an unknown stream: only a device-wide wait is safe
+            stream.device.synchronize()
 
 
 class _Holder:
@@ -243,9 +241,7 @@ def _consumer_stream(self: Result, stream: Any) -> Stream | None:
     if stream == 0:
         raise InvalidArgument("__dlpack__(stream=0) is ambiguous by the DLPack protocol; pass 1 "
                               "(legacy) or 2 (per-thread)")
-    from .method import _Handle
-
-    consumer = self.device.wrap_stream(_Handle(stream))
+    consumer = self.device.stream_from_handle(stream)
     self.wait_on(consumer)
     return consumer
 
