@@ -7,13 +7,16 @@ set -uo pipefail
 out=${OUT:-/tmp/streamlane-gpu}
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv > "$out/gpu.txt"
-timeout 300 python3 -m pytest -m cuda -q -p no:cacheprovider -rs --timeout 60 \
+timeout -k 5 240 python3 -m pytest -m cuda -q -p no:cacheprovider -rs --timeout 60 \
     --timeout-method=thread > "$out/cuda-tests.log" 2>&1
 echo "cuda tests: exit $?"; tail -5 "$out/cuda-tests.log"
-timeout 150 python3 bench/bench_runtime.py --device cuda --out "$out/runtime-cuda.json" \
+timeout -k 5 60 streamlane demo --device cuda --requests 32 --out /tmp/streamlane-demo \
+    > "$out/demo.txt" 2>&1
+echo "demo: exit $?"; tar -C /tmp -cf "$out/demo.tar" streamlane-demo 2>/dev/null
+timeout -k 5 110 python3 bench/bench_runtime.py --device cuda --out "$out/runtime-cuda.json" \
     > "$out/runtime-cuda.txt" 2>&1
 echo "bench_runtime: exit $?"
-timeout 240 python3 bench/bench_sched.py --device cuda --out "$out/sched-cuda.json" \
+timeout -k 5 180 python3 bench/bench_sched.py --device cuda --out "$out/sched-cuda.json" \
     > "$out/sched-cuda.txt" 2>&1
 echo "bench_sched: exit $?"
 tail -c 3000 "$out/sched-cuda.txt"

@@ -169,6 +169,9 @@ def test_stream_wait_orders_device_side_without_host_round_trip(device):
         x = device.to_device(np.ones(64, np.float32), a)
         out = device.empty((64,), "float32", a)
         a.record().synchronize()
+        # Load the kernel first: loading a module waits for running kernels, the latch too.
+        device.launch("scale", b, [x], [out], {"factor": 0.5})
+        b.record().synchronize()
         latch.hold(a)
         ready = a.record()
         t0 = time.perf_counter()
