@@ -535,11 +535,58 @@ class CudaDevice(Device):
         check(self._cu_launch(fn, gx, gy, gz, bx, by, bz, shared, stream_impl,
                               (values, types), 0))
 
+    def _bind(self, prepared: PreparedLaunch) -> _BoundLaunch:
+        return _BoundLaunch(self, prepared, self._plans.get(id(prepared)) or self._plan(prepared))
+
     def _new_latch(self) -> tuple[dict[str, Any], Any]:
         if _bound.context is not self._context:
             self._make_current()
         host_ptr, dev_ptr = self._flags.take()
         return {"flag_ptr": dev_ptr, "timeout_us": LATCH_TIMEOUT_US}, _LatchFlag(host_ptr)
+
+
+class _BoundLaunch:
+    """``PreparedLaunch.bind()`` on CUDA: the kernel's parameters live in one block of 8-byte
+    slots, scalars written once, pointers per call, and the driver gets the block's address:
+    no per-launch conversion of a (values, types) tuple. Not thread-safe (see ``bind``)."""
+
+    __slots__ = ("_args", "_argv", "_device", "_head", "_n_ptrs", "_name", "_prepared")
+
+    def __init__(self, device: CudaDevice, prepared: PreparedLaunch, plan: tuple[Any, ...]):
+        fn, gx, gy, gz, bx, by, bz, shared, scalars, types = plan
+        self._device, self._prepared, self._name = device, prepared, prepared.spec.name
+        self._n_ptrs = n_ptrs = len(types) - len(scalars)
+        self._args = args = (ctypes.c_uint64 * max(len(types), 1))()
+        base = ctypes.addressof(args)
+        for i, (value, ctype) in enumerate(zip(scalars, types[n_ptrs:], strict=True)):
+            scalar = ctype(value)
+            ctypes.memmove(base + 8 * (n_ptrs + i), ctypes.addressof(scalar),
+                           ctypes.sizeof(scalar))
+        self._argv = (ctypes.c_void_p * max(len(types), 1))(
+            *[base + 8 * i for i in range(len(types))])
+        self._head = (fn, gx, gy, gz, bx, by, bz, shared)
+
+    def __call__(self, stream: Stream, ins: Sequence[DeviceArray],
+                 outs: Sequence[DeviceArray]) -> None:
+        impl = stream._usable()
+        device = self._device
+        if _bound.context is not device._context:
+            device._make_current()
+        if len(ins) + len(outs) != self._n_ptrs:
+            raise InvalidArgument(f"kernel {self._name!r} takes {self._prepared.spec.n_in} "
+                                  f"inputs and {self._prepared.spec.n_out} outputs, got "
+                                  f"{len(ins)} and {len(outs)}")
+        args = self._args
+        i = 0
+        for a in ins:
+            args[i] = a.ptr
+            i += 1
+        for a in outs:
+            args[i] = a.ptr
+            i += 1
+        fn, gx, gy, gz, bx, by, bz, shared = self._head
+        check(device._cu_launch(fn, gx, gy, gz, bx, by, bz, shared, impl,
+                                ctypes.addressof(self._argv), 0))
 
 
 DEVICE_CLASS = CudaDevice

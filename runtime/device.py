@@ -11,7 +11,7 @@ import math
 import os
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +54,12 @@ class PreparedLaunch:
 
     def run(self, stream: Stream, ins: Sequence[DeviceArray], outs: Sequence[DeviceArray]) -> None:
         self.device._launch(self, stream._usable(), ins, outs)
+
+    def bind(self) -> Callable[[Stream, Sequence[DeviceArray], Sequence[DeviceArray]], None]:
+        """A launcher of this launch with its own argument block: ``bound(stream, ins, outs)``
+        does what ``run`` does, cheaper, since only the pointers are written per call (on CUDA
+        the driver reads the block in place). One caller at a time: a method step owns one."""
+        return self.device._bind(self)
 
 
 class Device(ABC):
@@ -338,6 +344,15 @@ class Device(ABC):
     @abstractmethod
     def _launch(self, prepared: PreparedLaunch, stream_impl: Any, ins: Sequence[DeviceArray],
                 outs: Sequence[DeviceArray]) -> None: ...
+    def _bind(self, prepared: PreparedLaunch) -> Callable[
+            [Stream, Sequence[DeviceArray], Sequence[DeviceArray]], None]:
+        launch = self._launch
+
+        def bound(stream: Stream, ins: Sequence[DeviceArray], outs: Sequence[DeviceArray]) -> None:
+            launch(prepared, stream._usable(), ins, outs)
+
+        return bound
+
     @abstractmethod
     def _new_latch(self) -> tuple[dict[str, Any], Any]:
         """Kernel params for the ``latch`` kernel and a backend object with ``release()``."""

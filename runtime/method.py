@@ -353,7 +353,7 @@ class Method:
         if step.kind == "kernel":
             prepared = self.device.prepare(step.target, [shape[n] for n in step.ins],
                                            [shape[n] for n in step.outs], step.params)
-            return prepared.run, ins, outs
+            return prepared.bind(), ins, outs
         fn = self.program.callables[step.target]
         device = self.device
 

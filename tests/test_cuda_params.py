@@ -1,0 +1,75 @@
+"""The CUDA launcher's parameter block, checked without a GPU: the driver call is replaced by a
+function that reads the block back the way cuLaunchKernel does (an array of pointers, one per
+parameter, each pointing at that parameter's bytes)."""
+
+from __future__ import annotations
+
+import ctypes
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from streamlane.runtime import InvalidArgument, get_device
+from streamlane.runtime.cuda import CudaDevice, _bound, _BoundLaunch
+
+
+class _Driver:
+    """Stands in for a CudaDevice: records what each launch would hand the driver."""
+
+    def __init__(self) -> None:
+        self._context = _bound.context  # already "current": no driver call
+        self._plans: dict[int, tuple] = {}
+        self.launches: list[tuple] = []
+        self.types: tuple = ()
+
+    def _cu_launch(self, fn, gx, gy, gz, bx, by, bz, shared, stream, argv_addr, extra):
+        argv = (ctypes.c_void_p * len(self.types)).from_address(argv_addr)
+        values = [ctype.from_address(argv[i]).value for i, ctype in enumerate(self.types)]
+        self.launches.append(((gx, gy, gz), (bx, by, bz), shared, stream, values))
+        return (0,)
+
+
+def _bound_launch(kernel, in_shapes, params):
+    prepared = get_device("host").prepare(kernel, in_shapes, None, params)
+    fake = _Driver()
+    plan = CudaDevice._plan(fake, prepared)  # type: ignore[arg-type]
+    fake.types = plan[-1]
+    return fake, prepared, _BoundLaunch(fake, prepared, plan)  # type: ignore[arg-type]
+
+
+STREAM = SimpleNamespace(_usable=lambda: "stream-impl")
+
+
+def arrays(*ptrs):
+    return [SimpleNamespace(ptr=p) for p in ptrs]
+
+
+@pytest.mark.parametrize("kernel, in_shapes, params", [
+    ("axpy", [(10,), (10,)], {"alpha": -0.5}),
+    ("layernorm", [(4, 6)], {}),
+    ("matmul", [(3, 4), (4, 5)], {}),
+    ("spin", [], {"us": 5}),
+])
+def test_pointers_per_call_and_scalars_once(kernel, in_shapes, params):
+    fake, prepared, bound = _bound_launch(kernel, in_shapes, params)
+    spec, cfg = prepared.spec, prepared.config
+    n = spec.n_in + spec.n_out
+    scalars = [ctype(v).value for v, ctype in cfg.scalars]
+    for base in (0x7F00_0000_0000, 0x7F00_1234_5600):  # new pointers each call, same block
+        ptrs = [base + 256 * i for i in range(n)]
+        bound(STREAM, arrays(*ptrs[:spec.n_in]), arrays(*ptrs[spec.n_in:]))
+        grid, block, shared, stream, values = fake.launches[-1]
+        assert (grid, block, shared) == (cfg.grid, cfg.block, cfg.shared_mem)
+        assert stream == "stream-impl"
+        assert values[:n] == ptrs
+        assert values[n:] == scalars
+    if kernel == "axpy":  # a float scalar keeps its float32 bytes in its slot
+        assert values[n + 1] == np.float32(-0.5)
+
+
+def test_wrong_number_of_arrays_is_refused_before_the_driver():
+    fake, _, bound = _bound_launch("axpy", [(10,), (10,)], {"alpha": 1.0})
+    with pytest.raises(InvalidArgument, match="takes 2 inputs and 1 outputs, got 1 and 1"):
+        bound(STREAM, arrays(1), arrays(2))
+    assert fake.launches == []
