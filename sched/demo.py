@@ -55,15 +55,17 @@ class _Programs:
 
 
 async def run_demo(device: Device, requests: int, out: Path,
-                   progress: Callable[[str, int], None] | None = None) -> list[DemoResult]:
+                   progress: Callable[[str, int], None] | None = None,
+                   programs: tuple[Program, Program] | None = None) -> list[DemoResult]:
     """``await run_demo(dev, n, out)`` is equivalent to ``streamlane demo --requests n --out
     out`` without the table: run the three configurations and return their results.
-    ``progress(config, done)`` is called as requests complete.
+    ``progress(config, done)`` is called as requests complete. ``programs``: the (encoder,
+    decoder) pair to run (default: the shipped examples).
 
     **Cancellation**: each configuration's scheduler leaves on the cancellation, waiting for
     the work already on the device; the files of unfinished configurations are not written.
     """
-    encoder, decoder = load("encoder"), load("decoder")
+    encoder, decoder = programs or (load("encoder"), load("decoder"))
     p = _Programs(encoder, decoder, encoder.method("forward", device=device),
                   decoder.method("forward", device=device))
     (shape,) = [t.shape for t in encoder.methods["forward"].inputs]
