@@ -107,9 +107,8 @@ def bench_latency(dev: Any, raw: Any, rep: Report, q: bool) -> None:
             ns.append(time.perf_counter_ns() - t)
     out["streamlane runtime, no asyncio"] = summary(ns)
 
-    async def through_scheduler(timing: bool, spin_us: float, inline: bool) -> list[int]:
-        options = {} if inline else {"inline_wait_us": 0}
-        async with Scheduler(dev, lanes=1, timing=timing, spin_us=spin_us, **options) as sched:
+    async def through_scheduler(timing: bool, spin_us: float) -> list[int]:
+        async with Scheduler(dev, lanes=1, timing=timing, spin_us=spin_us) as sched:
             for _ in range(warm):
                 await sched.run(method, [x])
             ns = []
@@ -120,11 +119,10 @@ def bench_latency(dev: Any, raw: Any, rep: Report, q: bool) -> None:
             return ns
 
     for backend in backends_available():
-        for timing, spin, inline in ((False, 0.0, True), (True, 0.0, True), (False, 0.0, False),
-                                     (False, 50.0, False)):
+        for timing, spin in ((False, 0.0), (True, 0.0), (False, 50.0)):
             label = f"scheduler {backend}" + ("" if not timing else ", timing events") + \
-                ("" if inline else ", no inline wait") + (f", spin {spin:g} us" if spin else "")
-            out[label] = summary(run_on(backend, through_scheduler, timing, spin, inline))
+                (f", spin {spin:g} us" if spin else "")
+            out[label] = summary(run_on(backend, through_scheduler, timing, spin))
 
     if raw is not None and importlib.util.find_spec("torch"):
         import torch

@@ -96,7 +96,6 @@ class Job:
         "_device_waits",
         "_done",
         "_enqueue_error",
-        "_enqueued_at",
         "_error",
         "_finished",
         "_host_waits",
@@ -133,7 +132,6 @@ class Job:
         self._start_event: Event | None = None
         self._stream_key: Any = None
         self._enqueue_error: BaseException | None = None
-        self._enqueued_at = 0.0  # perf_counter() once the lane has enqueued it
         self._is_published = False
         self._publish_event: threading.Event | None = None  # made only if someone must wait
         # Read by the lane, dropped once enqueued, so a long chain of after= jobs does not keep

@@ -66,7 +66,6 @@ class _Core(Protocol):
     waker: LoopWaker
     timing: bool
     spin_s: float
-    inline_wait_s: float
     reference: Event | None
 
     @property
@@ -92,9 +91,6 @@ class Lane:
         self._queued = self._in_flight = self._completed = 0
         self._handed = 0  # jobs given to the waiter thread and not yet settled by it
         self._busy_s = 0.0
-        # id(method) -> seconds from its last job's enqueue to its completion being seen: a
-        # hint for _complete_here (an id reused by another method only costs a wrong guess).
-        self._latency: dict[int, float] = {}
         self.stream_handle: int | None = None
         self.startup_error: BaseException | None = None
         # Loop side (set up by the scheduler inside the running loop):
@@ -218,23 +214,16 @@ class Lane:
             self._queued -= 1
             self._in_flight += 1
         job.track = track
-        job._enqueued_at = time.perf_counter()
-        # Only a job on the lane's own stream that waits on no other job may be waited for
-        # inline: any other may be held up by work beyond its own (read before publishing,
-        # which drops the dependencies).
-        may_inline = job.stream is None and not job._device_waits
         job._publish(end, results, None)
-        if not self._complete_here(job, may_inline):
+        if not self._complete_here(job):
             with self._lock:
                 self._handed += 1
             self._completions.put(job)
         return None
 
-    def _complete_here(self, job: Job, may_inline: bool) -> bool:
+    def _complete_here(self, job: Job) -> bool:
         """Report ``job`` from the lane thread itself, skipping the hop to the waiter thread,
-        when the lane has nothing else to do and the job is complete, completes within the spin
-        budget, or is expected to complete soon (``inline_wait_s``: its method's last job did,
-        and it waits on no other job nor runs on a caller stream, whose work may be long).
+        when the lane has nothing else to do and the job completes within the spin budget.
 
         Only when the waiter holds no job of this lane, so completions stay in lane order."""
         if self._handed or not self._jobs.empty():
@@ -242,9 +231,7 @@ class Lane:
         event = job.event
         assert event is not None
         try:
-            if may_inline and self._latency.get(id(job.method), 1.0) <= self._core.inline_wait_s:
-                event.synchronize()  # the GIL is released while the driver waits
-            elif not event.query():
+            if not event.query():
                 deadline = time.perf_counter() + self._core.spin_s
                 while True:
                     if time.perf_counter() >= deadline or not self._jobs.empty():
@@ -260,12 +247,6 @@ class Lane:
         """Count ``batch`` as completed and hand it to the loop (any thread of this lane)."""
         core = self._core
         busy = self._spans(batch) if error is None and core.timing else 0.0
-        now = time.perf_counter()
-        latency = self._latency
-        if len(latency) > 4096:
-            latency.clear()
-        for job in batch:
-            latency[id(job.method)] = now - job._enqueued_at
         with self._lock:
             self._in_flight -= len(batch)
             self._completed += len(batch)

@@ -49,7 +49,6 @@ from .timeline import Span, Timeline
 __all__ = ["Scheduler"]
 
 _NEW, _OPEN, _CLOSING, _CLOSED = "new", "open", "closing", "closed"
-INLINE_WAIT_US = 200.0  # see Scheduler's inline_wait_us (bench/NOTES.md: measured on an H200)
 
 
 class _MethodState:
@@ -67,31 +66,26 @@ class Scheduler:
     threads. ``queue_size``: the most jobs one lane holds, queued or in flight. ``timing``:
     record timing events around every job (``timeline()``, ``busy_time_s``); turn it off to shave
     two event records per job. ``spin_us``: how long a waiter polls an event before blocking on
-    it. ``inline_wait_us``: an idle lane waits for a job itself (GIL released), skipping the
-    hand-off to its waiter thread, when the job's method last completed within this time after
-    being enqueued and the job waits on no other job and runs on the lane's own stream; 0 turns
-    this off. A lane waiting so takes no new job until the wait ends.
-    ``timeline_size``: how many recent spans ``timeline()`` keeps.
+    it. ``timeline_size``: how many recent spans ``timeline()`` keeps.
     """
 
     def __init__(self, device: Device | str | None = None, lanes: int = 2, *,
                  queue_size: int = 1024, timing: bool = True, spin_us: float = 0.0,
-                 inline_wait_us: float = INLINE_WAIT_US, timeline_size: int = 100_000):
+                 timeline_size: int = 100_000):
         self.device: Device = device if isinstance(device, Device) else get_device(device)
         for name, value, low in (("lanes", lanes, 1), ("queue_size", queue_size, 1),
                                  ("timeline_size", timeline_size, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise InvalidArgument(f"Scheduler: {name} must be an int >= {low}, got {value!r}")
-        for name, us in (("spin_us", spin_us), ("inline_wait_us", inline_wait_us)):
-            if isinstance(us, bool) or not isinstance(us, (int, float)) or not 0 <= us <= 1e6:
-                raise InvalidArgument(f"Scheduler: {name} must be a number of microseconds in "
-                                      f"[0, 1e6], got {us!r}")
+        if isinstance(spin_us, bool) or not isinstance(spin_us, (int, float)) or not (
+                0 <= spin_us <= 1e6):
+            raise InvalidArgument(f"Scheduler: spin_us must be a number of microseconds in "
+                                  f"[0, 1e6], got {spin_us!r}")
         if not isinstance(timing, bool):
             raise InvalidArgument(f"Scheduler: timing must be a bool, got {timing!r}")
         self.queue_size = queue_size
         self.timing = timing
         self.spin_s = spin_us / 1e6
-        self.inline_wait_s = inline_wait_us / 1e6
         self.reference: Event | None = None
         self.lanes: tuple[Lane, ...] = tuple(Lane(self, i, self.device, queue_size)
                                              for i in range(lanes))

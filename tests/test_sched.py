@@ -5,7 +5,6 @@ uvloop and trio."""
 from __future__ import annotations
 
 import gc
-import queue
 import threading
 import time
 
@@ -125,59 +124,6 @@ async def test_the_loop_is_never_blocked_while_jobs_are_held(device):
                 stop.set()
     assert len(lags) > 50
     assert max(lags) < 0.1, f"loop lag up to {max(lags) * 1e3:.1f} ms"
-
-
-class _CountingQueue(queue.SimpleQueue):
-    """A lane's completion queue that counts the jobs handed to its waiter thread."""
-
-    def __init__(self) -> None:
-        self.handed = 0
-
-    def put(self, item, block=True, timeout=None):
-        if item is not None:
-            self.handed += 1
-        super().put(item, block, timeout)
-
-
-async def test_an_idle_lane_waits_inline_for_a_method_that_completes_fast(device):
-    """After a method's first job (no history: the waiter thread reports it), the idle lane
-    waits for its next jobs itself; with inline_wait_us=0 every job goes to the waiter."""
-    method = double_program().method("forward", device=device)
-    for inline_us, most_handed in ((5e5, 1), (0, 10)):
-        sched = Scheduler(device, lanes=1, inline_wait_us=inline_us)
-        sched.lanes[0]._completions = counting = _CountingQueue()
-        with anyio.fail_after(30):
-            async with sched:
-                for i in range(10):
-                    (out,) = await sched.run(method, [data(i)])
-                    np.testing.assert_array_equal(out.to_host(), 2 * data(i))
-        assert counting.handed <= most_handed if inline_us else counting.handed == most_handed
-
-
-async def test_a_lane_never_waits_inline_for_a_job_ordered_after_another(device):
-    """A fast method's job that waits (after=) on a held job is not waited for inline: its lane
-    goes on taking jobs while the latch holds the predecessor."""
-    first, second, third = (double_program(n).method("forward", device=device)
-                            for n in ("a", "b", "c"))
-    x = data(1)
-    held = device.create_stream()
-    with anyio.fail_after(30):
-        async with Scheduler(device, lanes=2, inline_wait_us=5e5) as sched:
-            for _ in range(3):  # history: second completes fast
-                await sched.run(second, [x], lane=1)
-            with device.create_latch() as latch:
-                latch.hold(held)
-                a = await sched.submit(first, [x], lane=0, stream=held)
-                b = await sched.submit(second, [x], lane=1, after=[a])
-                await wait_until(lambda: b.state == "running")
-                await anyio.sleep(0.02)  # lane 1 is idle now, past b's enqueue
-                c = await sched.submit(third, [x], lane=1)
-                await wait_until(lambda: c.state == "running")  # lane 1 did not block on b
-                assert not b.done()
-                latch.release()
-                for job in (a, b, c):
-                    (out,) = await job
-                    np.testing.assert_array_equal(out.to_host(), 2 * x)
 
 
 async def test_a_full_lane_makes_submit_wait(device):
