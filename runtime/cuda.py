@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+import time
 import weakref
 from collections import deque
 from collections.abc import Sequence
@@ -55,6 +56,7 @@ LATCH_TIMEOUT_US = 60_000_000
 DIRECT_H2D_MAX = 64 << 10
 STAGING_CHUNK = 4 << 20
 STAGING_MAX_CHUNKS = 16  # 64 MiB pinned at most in flight; more waits for the oldest chunk
+DRAIN_POLL_S = 0.0002  # how often an exiting thread looks whether its stream has drained
 
 _STICKY = ("CUDA_ERROR_ILLEGAL_ADDRESS", "CUDA_ERROR_LAUNCH_FAILED",
            "CUDA_ERROR_ILLEGAL_INSTRUCTION", "CUDA_ERROR_MISALIGNED_ADDRESS",
@@ -65,6 +67,7 @@ _STICKY = ("CUDA_ERROR_ILLEGAL_ADDRESS", "CUDA_ERROR_LAUNCH_FAILED",
 _driver: Any = None  # cuda.bindings.driver
 _SUCCESS: Any = None  # CUresult.CUDA_SUCCESS: the bindings return this very object
 _NOT_READY: Any = None
+_context_lost = False  # a sticky error (a kernel fault) was seen: the context is unusable
 _probe_lock = threading.Lock()
 _probed = False
 _reason: str | None = None
@@ -137,6 +140,8 @@ def _error(err: Any) -> DeviceError:
     except Exception:  # the explanation is a nicety; the code alone still names the error
         pass
     if name in _STICKY:
+        global _context_lost
+        _context_lost = True
         text += ("; the CUDA context is now unusable (a kernel faulted): every later call on "
                  "this device fails, restart the process")
     elif name == "CUDA_ERROR_OUT_OF_MEMORY":
@@ -163,12 +168,20 @@ class _PerThreadStream:
         self.stream = stream
 
     def __del__(self) -> None:
+        if _context_lost:
+            return  # nothing will run on it any more, and the driver may never say so
         try:
             device = self.stream.device
             check(_driver.cuCtxSetCurrent(device._context))
-            check(_driver.cuStreamSynchronize(device._per_thread_impl))
-        except Exception:  # the thread never used the device, or the interpreter is exiting
-            pass
+            # Poll rather than cuStreamSynchronize: after a kernel fault, a thread blocked in
+            # that call at exit was seen (H200, driver 580) to spin forever and hang process
+            # exit; a query returns the error instead.
+            impl = device._per_thread_impl
+            while (err := _driver.cuStreamQuery(impl)[0]) == _NOT_READY:
+                time.sleep(DRAIN_POLL_S)
+            check((err,))
+        except Exception:  # the thread never used the device, the context is lost, or the
+            pass  # interpreter is exiting
 
 
 class _ThreadLocal(threading.local):
