@@ -21,7 +21,7 @@ import numpy as np
 from .dtypes import DTYPES
 from .errors import InvalidArgument, InvalidInput, InvalidState, NotSupported
 from .memory import Buffer, DeviceArray
-from .result import PooledBuffer, Result
+from .result import PooledBuffer, Result, _Holder
 from .stream import current_stream
 
 if TYPE_CHECKING:
@@ -135,6 +135,9 @@ class Method:
     def _accept(self, index: int, value: Any) -> Any:
         decl = self._input_decls[index]
         want = DTYPES[decl.dtype]
+        if type(value) is Result and value.array.buffer.device is self.device and \
+                value.array.dtype == want and value.array.shape == decl.shape:
+            return value  # the common case, checked without building messages
         expected = f"{decl.dtype}{list(decl.shape)}"
         if isinstance(value, Result):
             if value.device is not self.device:
@@ -280,9 +283,13 @@ class Method:
             if not pooled:
                 for j, view in enumerate(self._views):
                     arrays[first + j] = view
-            for index, (run, ins, outs) in enumerate(self._steps):
-                step_stream = self._private_stream(index) if _PRIVATE_STREAM_PER_STEP else stream
-                run(step_stream, [arrays[k] for k in ins], [arrays[k] for k in outs])
+            if _PRIVATE_STREAM_PER_STEP:
+                for index, (run, ins, outs) in enumerate(self._steps):
+                    run(self._private_stream(index), [arrays[k] for k in ins],
+                        [arrays[k] for k in outs])
+            else:
+                for run, ins, outs in self._steps:
+                    run(stream, [arrays[k] for k in ins], [arrays[k] for k in outs])
             # A single output's buffer lends its event: no Result holds that buffer now, so no
             # live Result's event moves (see PooledBuffer). Several outputs: a new event.
             event = stream.record(pooled[0].event if len(pooled) == 1 else None)
@@ -292,8 +299,8 @@ class Method:
             self.last_event = event
             self._last_stream_key = key
             self.executions += 1
-            self._outputs = [Result._pooled(p, event, key) for p in pooled] if pooled else [
-                Result(view, event, key, view_only=True) for view in self._views]
+            self._outputs = [Result(p.array, event, key, _Holder(p)) for p in pooled] \
+                if pooled else [Result(view, event, key, view_only=True) for view in self._views]
         finally:
             self._guard.release()
 
@@ -316,7 +323,7 @@ class Method:
         if not self.clone_outputs:
             return []
         taken = []
-        for j, (t, pool) in enumerate(zip(self.definition.outputs, self._pools, strict=True)):
+        for j, pool in enumerate(self._pools):
             for pooled in pool:
                 if not pooled.held:
                     if len(pool) > 2:
@@ -326,6 +333,7 @@ class Method:
                             self._spare_runs[j] = 0
                     break
             else:
+                t = self.definition.outputs[j]
                 pooled = PooledBuffer(self.device.empty(t.shape, DTYPES[t.dtype], stream),
                                       self.device.create_event())
                 pool.append(pooled)

@@ -56,10 +56,11 @@ class PooledBuffer:
         new use can appear while this runs."""
         uses = self.array.buffer.uses
         if uses:
-            key = stream.key
-            for k, event in list(uses.items()):
-                if k != key:
-                    stream.wait(event)
+            if len(uses) > 1 or stream.key not in uses:  # else only our own stream used it
+                key = stream.key
+                for k, event in list(uses.items()):
+                    if k != key:
+                        stream.wait(event)
             uses.clear()
         if not self.exported:
             return
@@ -103,10 +104,6 @@ class Result:
         self.stream_key = stream_key
         self._holder = holder
         self.view_only = view_only
-
-    @classmethod
-    def _pooled(cls, pooled: PooledBuffer, event: Event, stream_key: Any) -> Result:
-        return cls(pooled.array, event, stream_key, _Holder(pooled))
 
     # -- description ----------------------------------------------------------------------
     @property

@@ -194,9 +194,10 @@ def selected_stream() -> Any:
 
 def current_stream(device: Device) -> Stream:
     """The stream an execute on this thread would use on ``device`` (rule 2)."""
-    sel = selected_stream()
-    if sel is None:
+    stack = getattr(_selection, "stack", None)
+    if not stack:
         return device.per_thread_stream()
+    sel = stack[-1]
     if sel is _LEGACY:
         return device.legacy_stream()
     if isinstance(sel, Stream):
