@@ -1,7 +1,8 @@
 """The ``streamlane`` command line (also ``python -m streamlane.sched``).
 
-``streamlane demo [--device auto|host|cuda] [--requests N] [--out DIR] [--backend ...]`` runs the
-shipped encoder and decoder concurrently (see ``streamlane.sched.demo``) and prints a table.
+``streamlane demo [--device auto|host|cuda] [--requests N] [--out DIR] [--backend ...]
+[--size auto|small|large]`` runs the shipped encoder and decoder concurrently (see
+``streamlane.sched.demo``) and prints a table.
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ def _parser() -> argparse.ArgumentParser:
                            "(default: ./streamlane-out)")
     demo.add_argument("--backend", choices=BACKENDS, default="asyncio",
                       help="event loop to run on (default: asyncio)")
+    demo.add_argument("--size", choices=("auto", "small", "large"), default="auto",
+                      help="small: the shipped example programs (batch 8, width 256); large: "
+                           "the same programs at batch 256, width 2048, so GPU work dominates "
+                           "(default: auto, large on a GPU, small on the host device)")
     return parser
 
 
@@ -57,7 +62,7 @@ def _demo(args: argparse.Namespace) -> int:
     from streamlane.runtime import get_device
     from streamlane.runtime.errors import StreamlaneError
 
-    from .demo import CONFIGS, run_demo
+    from .demo import CONFIGS, SIZES, demo_programs, run_demo
 
     console = Console()
     try:
@@ -65,8 +70,12 @@ def _demo(args: argparse.Namespace) -> int:
     except StreamlaneError as exc:
         console.print(f"[red]streamlane demo: {exc}[/red]")
         return 2
+    size = args.size if args.size != "auto" else ("large" if device.kind == "cuda" else "small")
+    batch, width = SIZES[size]
     console.print(f"streamlane demo on [bold]{device.name}[/bold]: {args.requests} requests "
-                  f"(encoder -> decoder) per configuration, {args.backend} event loop")
+                  f"(encoder -> decoder, {size}: batch {batch}, width {width}) per "
+                  f"configuration, {args.backend} event loop")
+    programs = demo_programs(size)
     with Progress(TextColumn("{task.description:<16}"), BarColumn(), MofNCompleteColumn(),
                   console=console, transient=True) as bar:
         tasks = {c: bar.add_task(c, total=args.requests) for c in CONFIGS}
@@ -77,7 +86,7 @@ def _demo(args: argparse.Namespace) -> int:
         backend = "asyncio" if args.backend == "uvloop" else args.backend
         options = {"use_uvloop": True} if args.backend == "uvloop" else {}
         try:
-            results = anyio.run(run_demo, device, args.requests, args.out, progress,
+            results = anyio.run(run_demo, device, args.requests, args.out, progress, programs,
                                 backend=backend, backend_options=options)
         except StreamlaneError as exc:
             bar.stop()

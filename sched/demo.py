@@ -22,15 +22,20 @@ from pathlib import Path
 import numpy as np
 
 from streamlane.runtime import Device, Method, Program
-from streamlane.runtime.examples import load
+from streamlane.runtime.examples import build_decoder, build_encoder, load
 from streamlane.runtime.reference import run_reference
 
 from .scheduler import Scheduler
 from .timeline import Timeline
 
-__all__ = ["CONFIGS", "DemoResult", "run_demo"]
+__all__ = ["CONFIGS", "SIZES", "DemoResult", "demo_programs", "run_demo"]
 
 CONFIGS = ("one lane", "two lanes", "caller streams")
+# (batch, width) of the encoder and decoder. "small" is the shipped example files: quick on the
+# host device, but on a GPU its kernels take a few microseconds and the run only measures the
+# host. "large" is the same programs built wider (build_encoder/build_decoder), so the device
+# work dominates and concurrent streams have something to overlap.
+SIZES = {"small": (8, 256), "large": (256, 2048)}
 RTOL, ATOL = 1e-3, 1e-5
 
 
@@ -54,6 +59,16 @@ class _Programs:
     dec: Method
 
 
+def demo_programs(size: str) -> tuple[Program, Program]:
+    """The (encoder, decoder) pair of a size in ``SIZES``."""
+    if size not in SIZES:
+        raise ValueError(f"size must be one of {', '.join(SIZES)}, got {size!r}")
+    if size == "small":
+        return load("encoder"), load("decoder")
+    batch, width = SIZES[size]
+    return build_encoder(batch, width), build_decoder(batch, width)
+
+
 async def run_demo(device: Device, requests: int, out: Path,
                    progress: Callable[[str, int], None] | None = None,
                    programs: tuple[Program, Program] | None = None) -> list[DemoResult]:
@@ -65,7 +80,7 @@ async def run_demo(device: Device, requests: int, out: Path,
     **Cancellation**: each configuration's scheduler leaves on the cancellation, waiting for
     the work already on the device; the files of unfinished configurations are not written.
     """
-    encoder, decoder = programs or (load("encoder"), load("decoder"))
+    encoder, decoder = programs or demo_programs("small")
     p = _Programs(encoder, decoder, encoder.method("forward", device=device),
                   decoder.method("forward", device=device))
     (shape,) = [t.shape for t in encoder.methods["forward"].inputs]

@@ -102,3 +102,24 @@ def test_the_demo_refuses_a_bad_request_count():
     proc = subprocess.run([sys.executable, "-m", "streamlane.sched", "demo", "--requests", "0"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--requests must be at least 1" in proc.stderr
+
+
+def test_demo_sizes_build_the_same_programs_wider():
+    from streamlane.sched.demo import SIZES, demo_programs
+
+    for size, (batch, width) in SIZES.items():
+        encoder, decoder = demo_programs(size)
+        assert encoder.methods["forward"].inputs[0].shape == (batch, width)
+        assert decoder.methods["forward"].outputs[0].shape == (batch, width)
+        assert [s.target for s in encoder.methods["forward"].steps] == \
+            [s.target for s in demo_programs("small")[0].methods["forward"].steps]
+    with pytest.raises(ValueError, match="small, large"):
+        demo_programs("huge")
+
+
+def test_the_demo_runs_the_large_size_on_request(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "streamlane.sched", "demo", "--device", "host", "--size", "large",
+         "--requests", "1", "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "batch 256, width 2048" in " ".join(proc.stdout.split()) and "2/2" in proc.stdout
