@@ -365,6 +365,12 @@ class CudaDevice(Device):
                 f"{self.total_memory / 2**30:.1f} GiB>")
 
     # -- streams ------------------------------------------------------------------------------
+    @property
+    def lost(self) -> bool:
+        # Process-wide: the driver offers no query for "this context hit a sticky error"
+        # short of making a call and failing, so the first sticky error seen marks it.
+        return _context_lost
+
     def per_thread_stream(self) -> Stream:
         holder = self._thread_local.holder
         if holder is None:

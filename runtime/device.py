@@ -129,6 +129,13 @@ class Device(ABC):
         return Stream(self, FOREIGN, handle, self._foreign_stream(handle), keepalive=keepalive)
 
     # -- events -----------------------------------------------------------------------------
+    @property
+    def lost(self) -> bool:
+        """True once an error has made the device unusable for the rest of the process (CUDA:
+        a kernel fault poisons the context; every later call fails). The host device's
+        injected faults are recoverable (``reset_error``), so it is never lost."""
+        return False
+
     def create_event(self, *, timing: bool = False) -> Event:
         return Event(self, self._new_event(timing), timing)
 

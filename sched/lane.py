@@ -90,6 +90,8 @@ class Lane:
         self._lock = threading.Lock()
         self._queued = self._in_flight = self._completed = 0
         self._handed = 0  # jobs given to the waiter thread and not yet settled by it
+        self._parked: set[int | None] = set()  # idents of threads parked on a lost device
+        self._park = threading.Event()
         self._busy_s = 0.0
         self.stream_handle: int | None = None
         self.startup_error: BaseException | None = None
@@ -119,8 +121,11 @@ class Lane:
         self._jobs.put(None)
 
     def join(self) -> None:
-        self.thread.join()
-        self.waiter.join()
+        for thread in (self.thread, self.waiter):
+            with self._lock:
+                parked = thread.ident in self._parked
+            if not parked:
+                thread.join()
 
     def statistics(self) -> LaneStatistics:
         with self._lock:
@@ -159,7 +164,10 @@ class Lane:
                 while (job := self._jobs.get()) is not None:
                     self._execute(job, stream)
         finally:
+            park = self._parking()
             self._completions.put(None)
+            if park:
+                park.wait()
 
     def _execute(self, job: Job, lane_stream: Any) -> None:
         core = self._core
@@ -301,8 +309,23 @@ class Lane:
                 with self._lock:
                     self._handed -= len(batch)
         finally:
+            park = self._parking()
             if self.exited is not None:
                 core.waker.post(self.exited.set)
+            if park:
+                park.wait()
+
+    def _parking(self) -> threading.Event | None:
+        """After the device is lost (a kernel fault), the calling thread is parked instead of
+        ended: on an H200 (driver 580) a thread that had waited on the faulted context spun in
+        the driver's thread teardown forever, and process exit hung behind it. A parked daemon
+        thread costs nothing and lets the process exit. Returns the event to wait on forever,
+        having marked the thread so ``join`` skips it."""
+        if not self.device.lost:
+            return None
+        with self._lock:
+            self._parked.add(threading.get_ident())
+        return self._park  # never set, but by tests
 
     def _wait(self, job: Job) -> None:
         event = job.event

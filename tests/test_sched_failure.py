@@ -155,6 +155,28 @@ async def test_cancel_storm_survivors_are_correct_and_nothing_leaks(host):
     assert host.stats.allocations - host.stats.frees == live
 
 
+async def test_once_the_device_is_lost_lanes_park_instead_of_ending(host, monkeypatch):
+    """A lost device (a CUDA kernel fault) leaves the lane and waiter threads parked, so none
+    ends inside the driver's thread teardown (which hung process exit on the H200); leaving the
+    scheduler does not wait for them."""
+    method = double_program().method("forward", device=host)
+    with anyio.fail_after(30):
+        async with Scheduler(host, lanes=1) as sched:
+            (out,) = await sched.run(method, [data(0)])
+            monkeypatch.setattr(type(host), "lost", property(lambda self: True))
+    lane = sched.lanes[0]
+    threads = (lane.thread, lane.waiter)
+    try:
+        assert all(t.is_alive() and t.daemon for t in threads)
+        assert {t.ident for t in threads} == lane._parked
+    finally:
+        lane._park.set()  # tests only: let them end
+        for t in threads:
+            t.join(5)
+    assert not any(t.is_alive() for t in threads)
+    np.testing.assert_array_equal(out.to_host(), 2 * data(0))
+
+
 GPU_FAULT_SCRIPT = r"""
 import anyio
 import numpy as np
