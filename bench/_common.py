@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -17,6 +18,10 @@ RESULTS = Path(__file__).parent / "results"
 
 
 def commit() -> str:
+    """The commit measured: $STREAMLANE_COMMIT when set (a lent GPU machine gets a copy of the
+    working tree whose .git may be stale: pass the hash in the command), else git's view."""
+    if os.environ.get("STREAMLANE_COMMIT"):
+        return os.environ["STREAMLANE_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                              text=True, cwd=Path(__file__).parent, timeout=10)

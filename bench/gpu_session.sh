@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything a lent GPU machine should run, in one device call (each new machine costs minutes):
-#   run(carry=[".device"], command="source .device/device-setup.sh && bash bench/gpu_session.sh")
+#   run(carry=[".device"], command="source .device/device-setup.sh &&
+#       STREAMLANE_COMMIT=<hash> bash bench/gpu_session.sh")
 # Every cuda-marked test (a hang inside the driver is cut by the thread timeout method, which
 # dumps every stack and ends pytest: the GPU-fault test runs on its own, last, so a hang there
 # cannot hide the others), the demo, then every benchmark. Outputs land under $OUT.
