@@ -569,7 +569,7 @@ class _BoundLaunch:
     slots, scalars written once, pointers per call, and the driver gets the block's address:
     no per-launch conversion of a (values, types) tuple. Not thread-safe (see ``bind``)."""
 
-    __slots__ = ("_args", "_argv", "_device", "_head", "_n_ptrs", "_name", "_prepared")
+    __slots__ = ("_addr", "_args", "_argv", "_device", "_head", "_n_ptrs", "_name", "_prepared")
 
     def __init__(self, device: CudaDevice, prepared: PreparedLaunch, plan: tuple[Any, ...]):
         fn, gx, gy, gz, bx, by, bz, shared, scalars, types = plan
@@ -584,6 +584,7 @@ class _BoundLaunch:
         self._argv = (ctypes.c_void_p * max(len(types), 1))(
             *[base + 8 * i for i in range(len(types))])
         self._head = (fn, gx, gy, gz, bx, by, bz, shared)
+        self._addr = ctypes.addressof(self._argv)
 
     def __call__(self, stream: Stream, ins: Sequence[DeviceArray],
                  outs: Sequence[DeviceArray]) -> None:
@@ -604,8 +605,7 @@ class _BoundLaunch:
             args[i] = a.ptr
             i += 1
         fn, gx, gy, gz, bx, by, bz, shared = self._head
-        check(device._cu_launch(fn, gx, gy, gz, bx, by, bz, shared, impl,
-                                ctypes.addressof(self._argv), 0))
+        check(device._cu_launch(fn, gx, gy, gz, bx, by, bz, shared, impl, self._addr, 0))
 
 
 DEVICE_CLASS = CudaDevice

@@ -260,7 +260,8 @@ class Method:
             used: list[Buffer] = []  # memory of others this execute touches (rule 8)
             for i, value in enumerate(self._inputs):
                 if isinstance(value, Result):
-                    value.wait_on(stream)
+                    if value.event is not None and value.stream_key != key:
+                        stream.wait(value.event)  # Result.wait_on, inlined
                     arrays[i] = value.array
                     used.append(value.array.buffer)
                 elif isinstance(value, _Foreign):
@@ -292,7 +293,8 @@ class Method:
                     run(stream, [arrays[k] for k in ins], [arrays[k] for k in outs])
             # A single output's buffer lends its event: no Result holds that buffer now, so no
             # live Result's event moves (see PooledBuffer). Several outputs: a new event.
-            event = stream.record(pooled[0].event if len(pooled) == 1 else None)
+            event = pooled[0].event if len(pooled) == 1 else device.create_event()
+            device._record(event, stream._usable())  # stream.record without its re-checks
             for buffer in used:
                 buffer.uses[key] = event
             self._uses[key] = event
