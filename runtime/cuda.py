@@ -23,7 +23,6 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-import time
 import weakref
 from collections import deque
 from collections.abc import Sequence
@@ -56,7 +55,6 @@ LATCH_TIMEOUT_US = 60_000_000
 DIRECT_H2D_MAX = 64 << 10
 STAGING_CHUNK = 4 << 20
 STAGING_MAX_CHUNKS = 16  # 64 MiB pinned at most in flight; more waits for the oldest chunk
-DRAIN_POLL_S = 0.0002  # how often an exiting thread looks whether its stream has drained
 
 _STICKY = ("CUDA_ERROR_ILLEGAL_ADDRESS", "CUDA_ERROR_LAUNCH_FAILED",
            "CUDA_ERROR_ILLEGAL_INSTRUCTION", "CUDA_ERROR_MISALIGNED_ADDRESS",
@@ -169,19 +167,13 @@ class _PerThreadStream:
 
     def __del__(self) -> None:
         if _context_lost:
-            return  # nothing will run on it any more, and the driver may never say so
+            return  # after a kernel fault nothing runs on it any more: nothing to drain
         try:
             device = self.stream.device
             check(_driver.cuCtxSetCurrent(device._context))
-            # Poll rather than cuStreamSynchronize: after a kernel fault, a thread blocked in
-            # that call at exit was seen (H200, driver 580) to spin forever and hang process
-            # exit; a query returns the error instead.
-            impl = device._per_thread_impl
-            while (err := _driver.cuStreamQuery(impl)[0]) == _NOT_READY:
-                time.sleep(DRAIN_POLL_S)
-            check((err,))
-        except Exception:  # the thread never used the device, the context is lost, or the
-            pass  # interpreter is exiting
+            check(_driver.cuStreamSynchronize(device._per_thread_impl))
+        except Exception:  # the thread never used the device, or the interpreter is exiting
+            pass
 
 
 class _ThreadLocal(threading.local):
