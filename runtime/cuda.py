@@ -540,9 +540,7 @@ class CudaDevice(Device):
         fn, gx, gy, gz, bx, by, bz, shared, scalars, types = plan
         values = tuple([a.ptr for a in (*ins, *outs)]) + scalars
         if len(values) != len(types):
-            raise InvalidArgument(f"kernel {prepared.spec.name!r} takes {prepared.spec.n_in} "
-                                  f"inputs and {prepared.spec.n_out} outputs, got {len(ins)} "
-                                  f"and {len(outs)}")
+            raise _arity_error(prepared, ins, outs)
         check(self._cu_launch(fn, gx, gy, gz, bx, by, bz, shared, stream_impl,
                               (values, types), 0))
 
@@ -561,11 +559,11 @@ class _BoundLaunch:
     slots, scalars written once, pointers per call, and the driver gets the block's address:
     no per-launch conversion of a (values, types) tuple. Not thread-safe (see ``bind``)."""
 
-    __slots__ = ("_addr", "_args", "_argv", "_device", "_head", "_n_ptrs", "_name", "_prepared")
+    __slots__ = ("_addr", "_args", "_argv", "_device", "_head", "_n_ptrs", "_prepared")
 
     def __init__(self, device: CudaDevice, prepared: PreparedLaunch, plan: tuple[Any, ...]):
         fn, gx, gy, gz, bx, by, bz, shared, scalars, types = plan
-        self._device, self._prepared, self._name = device, prepared, prepared.spec.name
+        self._device, self._prepared = device, prepared
         self._n_ptrs = n_ptrs = len(types) - len(scalars)
         self._args = args = (ctypes.c_uint64 * max(len(types), 1))()
         base = ctypes.addressof(args)
@@ -585,9 +583,7 @@ class _BoundLaunch:
         if _bound.context is not device._context:
             device._make_current()
         if len(ins) + len(outs) != self._n_ptrs:
-            raise InvalidArgument(f"kernel {self._name!r} takes {self._prepared.spec.n_in} "
-                                  f"inputs and {self._prepared.spec.n_out} outputs, got "
-                                  f"{len(ins)} and {len(outs)}")
+            raise _arity_error(self._prepared, ins, outs)
         args = self._args
         i = 0
         for a in ins:
@@ -598,6 +594,13 @@ class _BoundLaunch:
             i += 1
         fn, gx, gy, gz, bx, by, bz, shared = self._head
         check(device._cu_launch(fn, gx, gy, gz, bx, by, bz, shared, impl, self._addr, 0))
+
+
+def _arity_error(prepared: PreparedLaunch, ins: Sequence[DeviceArray],
+                 outs: Sequence[DeviceArray]) -> InvalidArgument:
+    spec = prepared.spec
+    return InvalidArgument(f"kernel {spec.name!r} takes {spec.n_in} inputs and {spec.n_out} "
+                           f"outputs, got {len(ins)} and {len(outs)}")
 
 
 DEVICE_CLASS = CudaDevice

@@ -260,8 +260,7 @@ class Method:
             used: list[Buffer] = []  # memory of others this execute touches (rule 8)
             for i, value in enumerate(self._inputs):
                 if isinstance(value, Result):
-                    if value.event is not None and value.stream_key != key:
-                        stream.wait(value.event)  # Result.wait_on, inlined
+                    value.wait_on(stream)
                     arrays[i] = value.array
                     used.append(value.array.buffer)
                 elif isinstance(value, _Foreign):
