@@ -90,8 +90,7 @@ class Lane:
         self._lock = threading.Lock()
         self._queued = self._in_flight = self._completed = 0
         self._handed = 0  # jobs given to the waiter thread and not yet settled by it
-        self._parked: set[int | None] = set()  # idents of threads parked on a lost device
-        self._park = threading.Event()
+        self._park = threading.Event()  # what threads wait on once the device is lost
         self._busy_s = 0.0
         self.stream_handle: int | None = None
         self.startup_error: BaseException | None = None
@@ -121,11 +120,10 @@ class Lane:
         self._jobs.put(None)
 
     def join(self) -> None:
-        for thread in (self.thread, self.waiter):
-            with self._lock:
-                parked = thread.ident in self._parked
-            if not parked:
-                thread.join()
+        """Join both threads, unless the device is lost: then they park (see ``_parking``)."""
+        if not self.device.lost:
+            self.thread.join()
+            self.waiter.join()
 
     def statistics(self) -> LaneStatistics:
         with self._lock:
@@ -319,13 +317,9 @@ class Lane:
         """After the device is lost (a kernel fault), the calling thread is parked instead of
         ended: on an H200 (driver 580) a thread that had waited on the faulted context spun in
         the driver's thread teardown forever, and process exit hung behind it. A parked daemon
-        thread costs nothing and lets the process exit. Returns the event to wait on forever,
-        having marked the thread so ``join`` skips it."""
-        if not self.device.lost:
-            return None
-        with self._lock:
-            self._parked.add(threading.get_ident())
-        return self._park  # never set, but by tests
+        thread costs nothing and lets the process exit. Returns the event to wait on forever
+        (``join`` does not wait for a parked thread)."""
+        return self._park if self.device.lost else None  # never set, but by tests
 
     def _wait(self, job: Job) -> None:
         event = job.event
