@@ -53,7 +53,9 @@ async def test_run_gives_outputs_that_match_the_float64_reference(device):
         np.testing.assert_allclose(out[0].to_host(), want, rtol=1e-4, atol=1e-5)
 
 
-async def test_after_waits_on_the_device_while_a_latch_holds_the_predecessor(device):
+@pytest.mark.parametrize("after", [True, False], ids=["after", "job-output-only"])
+async def test_a_dependent_waits_on_the_device_while_a_latch_holds_its_producer(device, after):
+    """after=[a] orders b on the device; so does passing a's output alone (no after=)."""
     first, second = (double_program(n).method("forward", device=device) for n in ("a", "b"))
     x = data(1)
     held = device.create_stream()
@@ -62,7 +64,8 @@ async def test_after_waits_on_the_device_while_a_latch_holds_the_predecessor(dev
             with device.create_latch() as latch:
                 latch.hold(held)
                 a = await sched.submit(first, [x], lane=0, stream=held)
-                b = await sched.submit(second, [a.outputs[0]], lane=1, after=[a])
+                b = await sched.submit(second, [a.outputs[0]], lane=1,
+                                       after=[a] if after else ())
                 await wait_until(lambda: b.state == "running")  # enqueued: its lane did not block
                 await anyio.sleep(0.05)
                 assert not a.done() and not b.done()
@@ -72,24 +75,6 @@ async def test_after_waits_on_the_device_while_a_latch_holds_the_predecessor(dev
                 assert a.done()
         np.testing.assert_array_equal(out.to_host(), 4 * x)
         assert b.span[0] >= a.span[1]  # timing events: b started after a ended
-
-
-async def test_a_job_output_as_input_orders_like_after(device):
-    first, second = (double_program(n).method("forward", device=device) for n in ("a", "b"))
-    x = data(2)
-    held = device.create_stream()
-    with anyio.fail_after(30):
-        async with Scheduler(device, lanes=2) as sched:
-            with device.create_latch() as latch:
-                latch.hold(held)
-                a = await sched.submit(first, [x], lane=0, stream=held)
-                b = await sched.submit(second, [a.outputs[0]], lane=1)  # no after=
-                await wait_until(lambda: b.state == "running")
-                assert not b.event.query()
-                latch.release()
-                (out,) = await b
-        np.testing.assert_array_equal(out.to_host(), 4 * x)
-        assert b.span[0] >= a.span[1]
 
 
 async def test_the_loop_is_never_blocked_while_jobs_are_held(device):
