@@ -21,7 +21,7 @@ import numpy as np
 from .dtypes import DTYPES
 from .errors import InvalidArgument, InvalidInput, InvalidState, NotSupported
 from .memory import Buffer, DeviceArray
-from .result import PooledBuffer, Result, _Holder
+from .result import OutputPool, PooledBuffer, Result, _Holder
 from .stream import current_stream
 
 if TYPE_CHECKING:
@@ -33,7 +33,6 @@ if TYPE_CHECKING:
 __all__ = ["Method"]
 
 OPTIONS = {"clone_outputs": True, "use_shared_stream": False}
-TRIM_AFTER = 64  # executes with more than two buffers, one of them free, before freeing extras
 
 # Test-only switch: give every step a private stream with nothing ordering them (the bug of
 # seed 000). Never part of the public API; tests flip it to prove the determinism test has teeth.
@@ -97,8 +96,7 @@ class Method:
         self._index = {n: i for i, n in enumerate(names)}
         self._arrays: list[Any] = [None] * (len(mdef.inputs) + len(mdef.outputs)) + list(
             owned.values())
-        self._pools: list[list[PooledBuffer]] = [[] for _ in mdef.outputs]
-        self._spare_runs = [0] * len(mdef.outputs)  # executes in a row with a third buffer idle
+        self._pools = [OutputPool(self._buffer_maker(t)) for t in mdef.outputs]
         self._views = [device.empty(t.shape, DTYPES[t.dtype], stream, self._uses)
                        for t in mdef.outputs] if not self.clone_outputs else []
         self._steps = [self._plan_step(s) for s in mdef.steps]
@@ -319,38 +317,18 @@ class Method:
 
     # -- internals ------------------------------------------------------------------------
     def _take_outputs(self, stream: Stream) -> list[PooledBuffer]:
-        """For each output, a buffer no live Result holds (two take turns; a third is allocated
-        only while both are held). Empty with ``clone_outputs=False``."""
+        """For each output, a buffer no live Result holds (see ``OutputPool``). Empty with
+        ``clone_outputs=False``."""
         if not self.clone_outputs:
             return []
-        taken = []
-        for j, pool in enumerate(self._pools):
-            for pooled in pool:
-                if not pooled.held:
-                    if len(pool) > 2:
-                        self._spare_runs[j] += 1
-                        if self._spare_runs[j] >= TRIM_AFTER:
-                            self._trim(pool, pooled, stream)
-                            self._spare_runs[j] = 0
-                    break
-            else:
-                t = self.definition.outputs[j]
-                pooled = PooledBuffer(self.device.empty(t.shape, DTYPES[t.dtype], stream),
-                                      self.device.create_event())
-                pool.append(pooled)
-            pooled.prepare_write(stream)
-            taken.append(pooled)
-        return taken
+        return [pool.take(stream) for pool in self._pools]
 
-    @staticmethod
-    def _trim(pool: list[PooledBuffer], keep: PooledBuffer, stream: Stream) -> None:
-        """Shrink back to two buffers once extra ones have been free for ``TRIM_AFTER``
-        executes (stream-ordered free); a pattern that needs three buffers every other call
-        then keeps them instead of allocating each time."""
-        for p in [p for p in pool if not p.held and p is not keep][: len(pool) - 2]:
-            p.prepare_write(stream)
-            pool.remove(p)
-            p.array.buffer.free(stream)
+    def _buffer_maker(self, t: Any) -> Any:
+        device, shape, dtype = self.device, t.shape, DTYPES[t.dtype]
+
+        def make(stream: Stream) -> PooledBuffer:
+            return PooledBuffer(device.empty(shape, dtype, stream), device.create_event())
+        return make
 
     def _plan_step(self, step: Any) -> tuple[Any, tuple[int, ...], tuple[int, ...]]:
         tensors = {t.name: t for t in (*self.definition.inputs, *self.definition.buffers,

@@ -16,6 +16,7 @@ Guarantees:
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -29,7 +30,10 @@ if TYPE_CHECKING:
     from .device import Device
     from .event import Event
 
-__all__ = ["PooledBuffer", "Result"]
+__all__ = ["OutputPool", "PooledBuffer", "Result"]
+
+TRIM_AFTER = 64  # the shortest window (executes) after which a pool frees idle extra buffers
+_CHECK_EVERY = 8  # how often (in executes) a pool of more than two counts its held buffers
 
 
 class PooledBuffer:
@@ -73,6 +77,72 @@ class PooledBuffer:
                     stream.wait(c.record())
         else:  # a consumer on an unknown stream: only a device-wide wait is safe
             stream.device.synchronize()
+
+
+class OutputPool:
+    """The buffers of one method output: two take turns; more only while more Results are held.
+
+    A pool grows when every buffer is held (a lane with many jobs of one method in flight holds
+    one per job). It shrinks by windows: a window lasts ``max(TRIM_AFTER, size)`` executes (a
+    pool of n buffers has seen n jobs in flight, so a cycle of demand can be that long), every
+    ``_CHECK_EVERY``-th execute counts the buffers held, and a window with no growth ends by
+    freeing the idle buffers beyond twice its most held (at least two stay), stream-ordered:
+    demand comes in spikes the sampling misses, and each allocation costs driver calls. Steady
+    concurrency, even in waves, allocates nothing, and a burst's buffers are returned within
+    two windows after it. With more than two buffers the search for a free one starts after
+    the last one taken (Results are mostly dropped oldest first), so an execute does not rescan
+    the held ones."""
+
+    __slots__ = ("buffers", "make", "most", "quiet", "turn")
+
+    def __init__(self, make: Callable[[Stream], PooledBuffer]):
+        self.make = make  # allocates one more buffer, stream-ordered
+        self.buffers: list[PooledBuffer] = []
+        self.turn = 0  # where the next search starts (pools of more than two)
+        self.quiet = 0  # executes in this window (it restarts when the pool grows)
+        self.most = 0  # the most buffers counted held in this window
+
+    def __len__(self) -> int:
+        return len(self.buffers)
+
+    def take(self, stream: Stream) -> PooledBuffer:
+        """A buffer no live Result holds, ready to be written on ``stream`` (rule 8)."""
+        buffers = self.buffers
+        n = len(buffers)
+        start = 0
+        check = False
+        if n > 2:
+            start = self.turn
+            self.quiet += 1
+            check = self.quiet % _CHECK_EVERY == 0
+        for k in range(n):
+            i = start + k if start + k < n else start + k - n
+            pooled = buffers[i]
+            if not pooled.held:
+                self.turn = i + 1
+                if check:
+                    self._check(pooled, stream)
+                pooled.prepare_write(stream)
+                return pooled
+        pooled = self.make(stream)
+        buffers.append(pooled)
+        self.quiet = self.most = 0
+        return pooled
+
+    def _check(self, keep: PooledBuffer, stream: Stream) -> None:
+        """Count the held buffers; at the end of a window, free the idle ones beyond its working
+        set (stream-ordered), keeping ``keep``, which is about to be written."""
+        buffers = self.buffers
+        idle = [b for b in buffers if not b.held and b is not keep]
+        self.most = max(self.most, len(buffers) - len(idle) - 1)  # ``keep`` is not held
+        if self.quiet < max(TRIM_AFTER, len(buffers)):
+            return
+        for pooled in idle[:len(buffers) - max(2, 2 * self.most)]:
+            pooled.prepare_write(stream)
+            buffers.remove(pooled)
+            pooled.array.buffer.free(stream)
+        self.turn = buffers.index(keep) + 1
+        self.quiet = self.most = 0
 
 
 class _Holder:

@@ -161,6 +161,7 @@ class Lane:
                     core.waker.post(self.ready.set)
                 while (job := self._jobs.get()) is not None:
                     self._execute(job, stream)
+                    del job  # not held while waiting for the next one (see _run_waiter)
         finally:
             park = self._parking()
             self._completions.put(None)
@@ -306,6 +307,9 @@ class Lane:
                 self._settle(batch, error)
                 with self._lock:
                     self._handed -= len(batch)
+                # Not held while waiting for the next job: a finished job's Results keep its
+                # buffers out of the method's pool.
+                del job, batch
         finally:
             park = self._parking()
             if self.exited is not None:

@@ -13,7 +13,7 @@ import pytest
 
 from streamlane.runtime import CallerStream, Program, Result
 from streamlane.runtime.errors import InvalidArgument
-from streamlane.runtime.method import TRIM_AFTER
+from streamlane.runtime.result import TRIM_AFTER
 
 RNG = np.random.default_rng()
 
@@ -85,6 +85,36 @@ def test_when_both_buffers_are_held_the_next_execute_allocates(device):
         out = m([xs[0]])[0]
     assert len(m._pools[0]) == 2, "extra buffers are returned once free for a while"
     np.testing.assert_array_equal(out.to_host(), 2 * xs[0])
+
+
+def test_many_results_held_in_waves_reuse_their_buffers(device):
+    """A lane with a queue of jobs of one method holds one output per job in flight, in waves:
+    after the first wave the pool has them all, and later waves allocate nothing (a pool that
+    trimmed to the moment's demand reallocated every wave)."""
+    m = scaler(shape=(16,)).method("forward", device=device)
+    x = rand((16,))
+    wave = 2 * TRIM_AFTER
+    held = [m([x])[0] for _ in range(wave)]
+    del held
+    before = device.stats.allocations
+    for _ in range(5):
+        held = [m([x])[0] for _ in range(wave)]
+        np.testing.assert_array_equal(held[-1].to_host(), 2 * x)
+        del held
+    assert device.stats.allocations == before, "a steady wave of results reallocated buffers"
+
+
+def test_a_burst_of_held_results_is_freed_after_two_windows(device):
+    m = scaler(shape=(16,)).method("forward", device=device)
+    x = rand((16,))
+    burst = [m([x])[0] for _ in range(3 * TRIM_AFTER)]
+    size = len(m._pools[0])
+    assert size == 3 * TRIM_AFTER
+    del burst
+    for _ in range(2 * size):  # back to holding one result while computing the next
+        out = m([x])[0]
+    assert len(m._pools[0]) == 2
+    np.testing.assert_array_equal(out.to_host(), 2 * x)
 
 
 def test_clone_outputs_false_returns_views_the_next_execute_overwrites(device):
