@@ -165,12 +165,16 @@ class Result:
     and ``device`` describe it; ``Result.from_host(array, device)`` uploads host data. Results
     are accepted as inputs by any method, zero-copy."""
 
-    __slots__ = ("__weakref__", "_holder", "array", "event", "stream_key", "view_only")
+    __slots__ = ("__weakref__", "_complete", "_holder", "array", "event", "stream_key",
+                 "view_only")
 
     def __init__(self, array: DeviceArray, event: Event | None, stream_key: Any,
                  holder: _Holder | None = None, view_only: bool = False):
         self.array = array
+        # Never re-recorded while this Result lives (a fresh event, or its held buffer's), so
+        # once seen complete it stays complete:
         self.event = event
+        self._complete = event is None
         self.stream_key = stream_key
         self._holder = holder
         self.view_only = view_only
@@ -198,12 +202,16 @@ class Result:
 
     def ready(self) -> bool:
         """True when the work producing this result has finished (never blocks)."""
-        return self.event is None or self.event.query()
+        if not self._complete and self.event is not None and self.event.query():
+            self._complete = True
+        return self._complete
 
     # -- data -----------------------------------------------------------------------------
     def wait_on(self, stream: Stream) -> None:
-        """Make ``stream`` wait on the device until this result is ready."""
-        if self.event is not None and stream.key != self.stream_key:
+        """Make ``stream`` wait on the device until this result is ready (nothing to do once
+        it is known ready, e.g. a model input read back or checked with ``ready()``)."""
+        if not self._complete and stream.key != self.stream_key:
+            assert self.event is not None
             stream.wait(self.event)
 
     def to_host(self) -> np.ndarray:
@@ -214,6 +222,7 @@ class Result:
         out = np.empty(self.array.shape, self.array.dtype)
         device.copy_to_host(out, self.array, stream)
         stream.record().synchronize()
+        self._complete = True
         return out
 
     @classmethod

@@ -117,6 +117,26 @@ def test_a_burst_of_held_results_is_freed_after_two_windows(device):
     np.testing.assert_array_equal(out.to_host(), 2 * x)
 
 
+def test_a_result_known_ready_needs_no_device_wait(device, monkeypatch):
+    """An input uploaded once and reused (weights, a constant) costs no stream wait per execute
+    once it is known ready; until then every consumer stream waits for it."""
+    from streamlane.runtime import Stream
+
+    waits = []
+    real_wait = Stream.wait
+    monkeypatch.setattr(Stream, "wait", lambda s, ev: (waits.append(ev), real_wait(s, ev))[1])
+    x = Result.from_host(rand(), device)
+    other = device.create_stream()
+    x.wait_on(other)
+    assert len(waits) == 1, "a result not known ready is waited on"
+    np.testing.assert_array_equal(x.to_host(), x.to_host())
+    waits.clear()
+    x.wait_on(other)
+    with CallerStream(other):
+        scaler().method("forward", device=device)([x])
+    assert waits == [] and x.ready()
+
+
 def test_clone_outputs_false_returns_views_the_next_execute_overwrites(device):
     m = scaler().method("forward", device=device, clone_outputs=False)
     x1, x2 = rand(), rand()
