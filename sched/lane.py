@@ -92,6 +92,7 @@ class Lane:
         self._handed = 0  # jobs given to the waiter thread and not yet settled by it
         self._park = threading.Event()  # what threads wait on once the device is lost
         self._busy_s = 0.0
+        self._events: list[Event] = []  # timing events to reuse (taken by the lane thread)
         self.stream_handle: int | None = None
         self.startup_error: BaseException | None = None
         # Loop side (set up by the scheduler inside the running loop):
@@ -195,17 +196,15 @@ class Lane:
             for dep in job._device_waits:  # no host round trip: the stream waits on the device
                 if dep.event is not None and dep._stream_key != stream.key:
                     stream.wait(dep.event)
-            device = self.device
-            start = stream.record(device.create_event(timing=True)) if core.timing else None
+            start = stream.record(self._timing_event()) if core.timing else None
             method = job.method
             method.set_inputs(inputs)
             method.execute()
             results = method.get_outputs()
-            # Without timing, the method's own end-of-execute event (recorded last on this
-            # stream) marks completion: no second event per job.
-            end = stream.record(device.create_event(timing=True)) if core.timing \
-                else method.last_event
+            # The method's own end-of-execute event is the job's event (it does not move while
+            # the job holds the outputs); timing adds a pair of reused events around it.
             job._start_event = start
+            job._end_event = stream.record(self._timing_event()) if core.timing else None
             job._stream_key = stream.key
             track = f"lane {self.index}" if job.stream is None else \
                 f"lane {self.index} stream {stream.handle:#x}"
@@ -221,12 +220,19 @@ class Lane:
             self._queued -= 1
             self._in_flight += 1
         job.track = track
-        job._publish(end, results, None)
+        job._publish(method.last_event, results, None)
         if not self._complete_here(job):
             with self._lock:
                 self._handed += 1
             self._completions.put(job)
         return None
+
+    def _timing_event(self) -> Event:
+        """A timing event to record: one a settled job gave back, or a new one."""
+        try:
+            return self._events.pop()
+        except IndexError:
+            return self.device.create_event(timing=True)
 
     def _complete_here(self, job: Job) -> bool:
         """Report ``job`` from the lane thread itself, skipping the hop to the waiter thread,
@@ -235,8 +241,7 @@ class Lane:
         Only when the waiter holds no job of this lane, so completions stay in lane order."""
         if self._handed or not self._jobs.empty():
             return False
-        event = job.event
-        assert event is not None
+        event = _completion(job)
         try:
             if not event.query():
                 deadline = time.perf_counter() + self._core.spin_s
@@ -326,8 +331,7 @@ class Lane:
         return self._park if self.device.lost else None  # never set, but by tests
 
     def _wait(self, job: Job) -> None:
-        event = job.event
-        assert event is not None
+        event = _completion(job)
         spin_s = self._core.spin_s
         if spin_s > 0:  # a short spin lowers latency where the wake-up of a blocked wait is slow
             deadline = time.perf_counter() + spin_s
@@ -341,7 +345,7 @@ class Lane:
         ref = core.reference
         busy = 0.0
         for job in batch:
-            start, end = job._start_event, job.event
+            start, end = job._start_event, job._end_event
             if ref is None or start is None or end is None:
                 continue
             try:
@@ -349,6 +353,8 @@ class Lane:
                 t1 = ref.elapsed_ms(end) / 1e3
             except Exception:  # timing is best effort; it never fails a job
                 continue
+            job._start_event = job._end_event = None
+            self._events += (start, end)  # complete and read: free to record again
             job.span = (t0, t1)
             busy += t1 - t0
             core.record_span(Span(job.id, job.name, self.index, job.track, t0, t1))
@@ -358,9 +364,17 @@ class Lane:
 _NOTHING = object()
 
 
+def _completion(job: Job) -> Event:
+    """The event that marks ``job`` complete: its timing end event if it has one (recorded
+    last, and read once complete), else its own event."""
+    event = job._end_event or job.event
+    assert event is not None
+    return event
+
+
 def _complete(job: Job) -> bool:
     try:
-        return job.event is not None and job.event.query()
+        return _completion(job).query()
     except Exception:  # a device error: the blocking wait reports it
         return False
 
