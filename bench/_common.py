@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).parent / "results"
+# Settings that change what a GPU run measures, recorded with every figure:
+ENV = ("CUDA_DEVICE_MAX_CONNECTIONS", "CUDA_LAUNCH_BLOCKING", "STREAMLANE_DEVICE")
 
 
 def commit() -> str:
@@ -70,7 +72,8 @@ class Report:
         self.name = name
         self.data: dict[str, Any] = {
             "benchmark": name, "date": datetime.datetime.now(datetime.UTC).isoformat(),
-            "commit": commit(), "device": device_info(device), "quick": quick, "sections": {}}
+            "commit": commit(), "device": device_info(device), "quick": quick,
+            "env": {k: os.environ.get(k) for k in ENV}, "sections": {}}
 
     def section(self, title: str, rows: list[dict[str, Any]], note: str = "") -> None:
         self.data["sections"][title] = {"rows": rows, "note": note}

@@ -5,21 +5,21 @@
 # Every cuda-marked test (a hang inside the driver is cut by the thread timeout method, which
 # dumps every stack and ends pytest: the GPU-fault test runs on its own, last, so a hang there
 # cannot hide the others), the demo, then every benchmark. Outputs land under $OUT.
-# SKIP="demo runtime sched" leaves parts out.
+# SKIP="tests demo runtime sched calls conn32" leaves parts out.
 set -uo pipefail
 out=${OUT:-/tmp/streamlane-gpu}
 skip=" ${SKIP:-} "
 mkdir -p "$out"
 fault=tests/test_sched_failure.py::test_a_faulting_kernel_on_the_gpu_breaks_the_scheduler_without_a_hang
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv > "$out/gpu.txt"
-{
+[[ $skip == *" tests "* ]] || {
   timeout -k 5 200 python3 -m pytest -m cuda -q -p no:cacheprovider -rs --timeout 60 \
       --timeout-method=thread --deselect "$fault"
   echo "== the GPU-fault test"
   timeout -k 5 90 python3 -m pytest -q -p no:cacheprovider --timeout 80 --timeout-method=thread \
       "$fault"
 } > "$out/cuda-tests.log" 2>&1
-grep -E "passed|failed|== " "$out/cuda-tests.log"
+[[ $skip == *" tests "* ]] || grep -E "passed|failed|== " "$out/cuda-tests.log"
 if [[ $skip != *" demo "* ]]; then
   timeout -k 5 90 streamlane demo --device cuda --requests 32 --out /tmp/streamlane-demo \
       > "$out/demo.txt" 2>&1
@@ -35,4 +35,15 @@ if [[ $skip != *" sched "* ]]; then
       > "$out/sched-cuda.txt" 2>&1
   echo "bench_sched: exit $?"
   tail -c 2500 "$out/sched-cuda.txt"
+fi
+if [[ $skip != *" calls "* ]]; then
+  timeout -k 5 60 python3 bench/driver_calls.py --out "$out/driver-calls-cuda.json" \
+      > "$out/driver-calls.txt" 2>&1
+  echo "driver_calls: exit $?"; tail -c 1500 "$out/driver-calls.txt"
+fi
+if [[ $skip != *" conn32 "* ]]; then  # the overlap again with 32 hardware queues instead of 8
+  CUDA_DEVICE_MAX_CONNECTIONS=32 timeout -k 5 120 python3 bench/bench_sched.py --device cuda \
+      --only overlap --out "$out/sched-overlap-conn32-cuda.json" > "$out/sched-overlap-conn32.txt" 2>&1
+  echo "bench_sched overlap, 32 connections: exit $?"
+  tail -c 1500 "$out/sched-overlap-conn32.txt"
 fi
