@@ -65,6 +65,7 @@ _STICKY = ("CUDA_ERROR_ILLEGAL_ADDRESS", "CUDA_ERROR_LAUNCH_FAILED",
 _driver: Any = None  # cuda.bindings.driver
 _SUCCESS: Any = None  # CUresult.CUDA_SUCCESS: the bindings return this very object
 _NOT_READY: Any = None
+_NOT_READY_CODE = 600  # CUDA_ERROR_NOT_READY, as a short call returns it
 _context_lost = False  # a sticky error (a kernel fault) was seen: the context is unusable
 _probe_lock = threading.Lock()
 _probed = False
@@ -150,6 +151,43 @@ def _error(err: Any) -> DeviceError:
 # -- per-thread state ---------------------------------------------------------------------------
 class _Bound(threading.local):
     context: Any = None  # the CUcontext streamlane last made current on this thread
+    hold_gil = False  # make short driver calls without releasing the GIL (Device.hold_gil)
+
+
+class _ShortCalls:
+    """The four driver calls that never wait for the device while its queue has room —
+    ``cuLaunchKernel``, ``cuEventRecord``, ``cuEventQuery``, ``cuStreamWaitEvent`` — called
+    through ``ctypes.PyDLL``, which keeps the GIL (torch and CuPy launch with the GIL held too).
+    cuda.bindings releases the GIL around every call; from a lane that hands the GIL to the
+    event loop at each launch, and the lane then waits for the loop to give it back (measured
+    on an H200 with py-spy: most of a lane's time sat in the launch line). Loaded from the same
+    libcuda cuda.bindings uses; None where that fails (the bindings path is used instead)."""
+
+    def __init__(self) -> None:
+        lib = ctypes.PyDLL("libcuda.so.1")
+        vp, u = ctypes.c_void_p, ctypes.c_uint
+        self.launch = lib.cuLaunchKernel
+        self.launch.argtypes = [vp, u, u, u, u, u, u, u, vp, vp, vp]
+        self.record = lib.cuEventRecord
+        self.record.argtypes = [vp, vp]
+        self.query = lib.cuEventQuery
+        self.query.argtypes = [vp]
+        self.wait = lib.cuStreamWaitEvent
+        self.wait.argtypes = [vp, vp, u]
+        for fn in (self.launch, self.record, self.query, self.wait):
+            fn.restype = ctypes.c_int
+
+
+def _short_calls() -> _ShortCalls | None:
+    try:
+        return _ShortCalls()
+    except (OSError, AttributeError):
+        return None
+
+
+def _fail(rc: int) -> DeviceError:
+    """The DeviceError for a nonzero CUresult returned by a short call."""
+    return _error(_driver.CUresult(rc))
 
 
 class _PerThreadStream:
@@ -186,10 +224,11 @@ _bound = _Bound()
 class _CudaEvent:
     """A CUevent, destroyed with its last reference (holds the handle only)."""
 
-    __slots__ = ("handle",)
+    __slots__ = ("addr", "handle")
 
     def __init__(self, handle: Any):
         self.handle = handle
+        self.addr = int(handle)  # for the short calls
 
     def __del__(self) -> None:
         try:
@@ -341,6 +380,12 @@ class CudaDevice(Device):
         self._modules: list[Any] = []  # loaded modules stay alive with the device
         self._plans: dict[int, tuple[Any, ...]] = {}  # id(PreparedLaunch) -> launch plan
         self._cu_launch = d.cuLaunchKernel
+        self._short = _short_calls()
+
+    def hold_gil(self, enabled: bool) -> None:
+        """See ``Device.hold_gil``: on CUDA, launches, event records and queries and stream
+        waits from this thread keep the GIL while ``enabled``."""
+        _bound.hold_gil = bool(enabled) and self._short is not None
 
     def _attribute(self, which: Any) -> int:
         return int(check(_driver.cuDeviceGetAttribute(which, self._cu_device)))
@@ -410,6 +455,11 @@ class CudaDevice(Device):
     def _stream_wait(self, impl: Any, event: Event) -> None:
         if _bound.context is not self._context:
             self._make_current()
+        if _bound.hold_gil:
+            rc = self._short.wait(int(impl), event._impl.addr, 0)  # type: ignore[union-attr]
+            if rc:
+                raise _fail(rc)
+            return
         check(_driver.cuStreamWaitEvent(impl, event._impl.handle, 0))
 
     # -- events -------------------------------------------------------------------------------
@@ -424,12 +474,24 @@ class CudaDevice(Device):
     def _record(self, event: Event, stream_impl: Any) -> None:
         if _bound.context is not self._context:
             self._make_current()
-        check(_driver.cuEventRecord(event._impl.handle, stream_impl))
+        if _bound.hold_gil:
+            rc = self._short.record(event._impl.addr, int(stream_impl))  # type: ignore[union-attr]
+            if rc:
+                raise _fail(rc)
+        else:
+            check(_driver.cuEventRecord(event._impl.handle, stream_impl))
         event.recorded = True
 
     def _event_query(self, event: Event) -> bool:
         if _bound.context is not self._context:
             self._make_current()
+        if _bound.hold_gil:
+            rc = self._short.query(event._impl.addr)  # type: ignore[union-attr]
+            if rc == _NOT_READY_CODE:
+                return False
+            if rc:
+                raise _fail(rc)
+            return True
         result = _driver.cuEventQuery(event._impl.handle)
         if result[0] == _NOT_READY:
             return False
@@ -559,7 +621,7 @@ class _BoundLaunch:
     slots, scalars written once, pointers per call, and the driver gets the block's address:
     no per-launch conversion of a (values, types) tuple. Not thread-safe (see ``bind``)."""
 
-    __slots__ = ("_addr", "_args", "_argv", "_device", "_head", "_n_ptrs", "_prepared")
+    __slots__ = ("_addr", "_args", "_argv", "_device", "_fn", "_head", "_n_ptrs", "_prepared")
 
     def __init__(self, device: CudaDevice, prepared: PreparedLaunch, plan: tuple[Any, ...]):
         fn, gx, gy, gz, bx, by, bz, shared, scalars, types = plan
@@ -575,6 +637,7 @@ class _BoundLaunch:
             *[base + 8 * i for i in range(len(types))])
         self._head = (fn, gx, gy, gz, bx, by, bz, shared)
         self._addr = ctypes.addressof(self._argv)
+        self._fn: int | None = None  # the CUfunction's address, for the short call
 
     def __call__(self, stream: Stream, ins: Sequence[DeviceArray],
                  outs: Sequence[DeviceArray]) -> None:
@@ -593,6 +656,14 @@ class _BoundLaunch:
             args[i] = a.ptr
             i += 1
         fn, gx, gy, gz, bx, by, bz, shared = self._head
+        if _bound.hold_gil:
+            if self._fn is None:
+                self._fn = int(fn)
+            rc = device._short.launch(self._fn, gx, gy, gz, bx, by, bz,  # type: ignore[union-attr]
+                                      shared, stream.handle, self._addr, None)
+            if rc:
+                raise _fail(rc)
+            return
         check(device._cu_launch(fn, gx, gy, gz, bx, by, bz, shared, impl, self._addr, 0))
 
 

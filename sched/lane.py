@@ -45,6 +45,10 @@ if TYPE_CHECKING:
 __all__ = ["Lane", "LaneStatistics"]
 
 _POLL_S = 0.05  # how often a blocked lane re-checks whether the scheduler is closing
+# A lane keeps the GIL through its launches (Device.hold_gil) while fewer driver calls than this
+# are queued on the device by its jobs in flight: a stream's queue holds about a thousand before
+# a launch blocks, and a blocked launch must not hold the GIL.
+HOLD_GIL_BELOW = 512
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,7 @@ class Lane:
         self._lock = threading.Lock()
         self._queued = self._in_flight = self._completed = 0
         self._handed = 0  # jobs given to the waiter thread and not yet settled by it
+        self._queued_calls = 0  # driver calls of the jobs in flight (see HOLD_GIL_BELOW)
         self._park = threading.Event()  # what threads wait on once the device is lost
         self._busy_s = 0.0
         self._events: list[Event] = []  # timing events to reuse (taken by the lane thread)
@@ -160,7 +165,9 @@ class Lane:
                 finally:
                     assert self.ready is not None
                     core.waker.post(self.ready.set)
+                device = self.device
                 while (job := self._jobs.get()) is not None:
+                    device.hold_gil(self._queued_calls < HOLD_GIL_BELOW)
                     self._execute(job, stream)
                     del job  # not held while waiting for the next one (see _run_waiter)
         finally:
@@ -219,6 +226,7 @@ class Lane:
         with self._lock:
             self._queued -= 1
             self._in_flight += 1
+            self._queued_calls += _calls(job)
         job.track = track
         job._publish(method.last_event, results, None)
         if not self._complete_here(job):
@@ -262,6 +270,7 @@ class Lane:
         with self._lock:
             self._in_flight -= len(batch)
             self._completed += len(batch)
+            self._queued_calls -= sum(_calls(job) for job in batch)
             self._busy_s += busy
         if error is not None:
             core.break_(error, batch[0])
@@ -286,6 +295,7 @@ class Lane:
     # -- waiter thread ----------------------------------------------------------------------
     def _run_waiter(self) -> None:
         core = self._core
+        self.device.hold_gil(True)  # it only queries (never blocks) and synchronizes (releases)
         held: Any = _NOTHING  # a job (or the stop sentinel None) taken ahead of its turn
         try:
             while True:
@@ -362,6 +372,12 @@ class Lane:
 
 
 _NOTHING = object()
+
+
+def _calls(job: Job) -> int:
+    """An estimate of the driver calls ``job`` queued on the device: a launch per step, the
+    method's event record, two timing records and a stream wait."""
+    return len(job.method.definition.steps) + 4
 
 
 def _completion(job: Job) -> Event:

@@ -192,8 +192,32 @@ def test_bad_cuda_stream_objects_are_refused(cuda_device, bad):
         cuda_device.wrap_stream(Bad())
 
 
+@pytest.fixture(params=[False, True], ids=["bindings", "gil-held"])
+def short_calls(request, cuda_device):
+    """Run the test's launches, records, queries and stream waits through cuda.bindings (GIL
+    released) and through the GIL-holding short calls (``Device.hold_gil``)."""
+    cuda_device.hold_gil(request.param)
+    assert cuda._bound.hold_gil is request.param
+    yield request.param
+    cuda_device.hold_gil(False)
+
+
 @pytest.mark.cuda
-def test_event_record_query_synchronize_and_elapsed(cuda_device):
+def test_holding_the_gil_is_per_thread_and_computes_the_same(cuda_device, short_calls):
+    from streamlane.runtime import Program
+
+    b = Program.build("axpy2")
+    m = b.method("forward", x=("float32", [4096]), y=("float32", [4096]))
+    m.output(m.step("axpy", "x", "y", out="z", alpha=3.0))
+    method = b.finish().method("forward", device=cuda_device)
+    x, y = (np.random.default_rng(i).standard_normal(4096).astype(np.float32) for i in (1, 2))
+    for _ in range(3):
+        np.testing.assert_allclose(method([x, y])[0].to_host(), 3 * x + y, rtol=1e-6)
+    assert in_thread(lambda: cuda._bound.hold_gil) is False, "the setting leaked to a thread"
+
+
+@pytest.mark.cuda
+def test_event_record_query_synchronize_and_elapsed(cuda_device, short_calls):
     with cuda_device.create_stream() as s, cuda_device.create_latch() as latch:
         never = cuda_device.create_event()
         assert never.query() and not never.recorded  # never recorded counts as complete
@@ -215,7 +239,7 @@ def test_event_record_query_synchronize_and_elapsed(cuda_device):
 
 
 @pytest.mark.cuda
-def test_stream_wait_holds_b_until_a_passes_the_event(cuda_device):
+def test_stream_wait_holds_b_until_a_passes_the_event(cuda_device, short_calls):
     dev = cuda_device
     with dev.create_stream() as a, dev.create_stream() as b, dev.create_latch() as latch:
         out = dev.empty((1024,), "float32", b)

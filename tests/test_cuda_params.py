@@ -29,16 +29,32 @@ class _Driver:
         self.launches.append(((gx, gy, gz), (bx, by, bz), shared, stream, values))
         return (0,)
 
+    @property
+    def _short(self):
+        """The GIL-holding launch (Device.hold_gil): the same block, raw handles, an int back."""
+        def launch(fn, gx, gy, gz, bx, by, bz, shared, stream, argv_addr, extra):
+            assert isinstance(fn, int) and extra is None
+            self._cu_launch(fn, gx, gy, gz, bx, by, bz, shared, stream, argv_addr, extra)
+            return 0
+        return SimpleNamespace(launch=launch)
+
 
 def _bound_launch(kernel, in_shapes, params):
     prepared = get_device("host").prepare(kernel, in_shapes, None, params)
     fake = _Driver()
-    plan = CudaDevice._plan(fake, prepared)  # type: ignore[arg-type]
+    plan = (_Function(), *CudaDevice._plan(fake, prepared)[1:])  # type: ignore[arg-type]
     fake.types = plan[-1]
     return fake, prepared, _BoundLaunch(fake, prepared, plan)  # type: ignore[arg-type]
 
 
-STREAM = SimpleNamespace(_usable=lambda: "stream-impl")
+STREAM = SimpleNamespace(_usable=lambda: "stream-impl", handle=0x2)
+
+
+class _Function:
+    """A stand-in CUfunction handle: int() gives its address, as cuda.bindings' does."""
+
+    def __int__(self) -> int:
+        return 0x1234
 
 
 def arrays(*ptrs):
@@ -51,7 +67,9 @@ def arrays(*ptrs):
     ("matmul", [(3, 4), (4, 5)], {}),
     ("spin", [], {"us": 5}),
 ])
-def test_pointers_per_call_and_scalars_once(kernel, in_shapes, params):
+@pytest.mark.parametrize("hold_gil", [False, True], ids=["bindings", "gil-held"])
+def test_pointers_per_call_and_scalars_once(kernel, in_shapes, params, hold_gil, monkeypatch):
+    monkeypatch.setattr(_bound, "hold_gil", hold_gil)
     fake, prepared, bound = _bound_launch(kernel, in_shapes, params)
     spec, cfg = prepared.spec, prepared.config
     n = spec.n_in + spec.n_out
@@ -61,7 +79,7 @@ def test_pointers_per_call_and_scalars_once(kernel, in_shapes, params):
         bound(STREAM, arrays(*ptrs[:spec.n_in]), arrays(*ptrs[spec.n_in:]))
         grid, block, shared, stream, values = fake.launches[-1]
         assert (grid, block, shared) == (cfg.grid, cfg.block, cfg.shared_mem)
-        assert stream == "stream-impl"
+        assert stream == (0x2 if hold_gil else "stream-impl")
         assert values[:n] == ptrs
         assert values[n:] == scalars
     if kernel == "axpy":  # a float scalar keeps its float32 bytes in its slot

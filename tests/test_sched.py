@@ -112,6 +112,39 @@ async def test_the_loop_is_never_blocked_while_jobs_are_held(device):
     assert max(lags) < 0.1, f"loop lag up to {max(lags) * 1e3:.1f} ms"
 
 
+async def test_a_lane_launches_without_releasing_the_gil_only_while_its_queue_is_short(
+        device, monkeypatch):
+    """Lanes keep the GIL through launches (Device.hold_gil), but never while enough of their
+    work is queued on the device that a launch could block on a full stream queue: a launch
+    stuck with the GIL held would stall the loop (and, behind a latch, never end)."""
+    from streamlane.sched.lane import HOLD_GIL_BELOW, _calls
+
+    settings: list[tuple[str, bool]] = []
+    real = type(device).hold_gil
+    monkeypatch.setattr(type(device), "hold_gil", lambda self, on: (
+        settings.append((threading.current_thread().name, on)), real(self, on))[1])
+    method = double_program().method("forward", device=device)
+    held = device.create_stream()
+    count = 3 * HOLD_GIL_BELOW // 5
+    with anyio.fail_after(60):
+        async with Scheduler(device, lanes=1, queue_size=count) as sched:
+            with device.create_latch() as latch:
+                latch.hold(held)
+                jobs = [await sched.submit(method, [data(i % 50)], stream=held)
+                        for i in range(count)]
+                await wait_until(lambda: sched.statistics()[0].in_flight == count)
+                latch.release()
+            for job in jobs:
+                await job
+            await sched.run(method, [data(0)])
+    lane = [on for name, on in settings if name.startswith("streamlane-lane")]
+    per_job = _calls(jobs[0])
+    assert lane[:HOLD_GIL_BELOW // per_job] == [True] * (HOLD_GIL_BELOW // per_job)
+    assert lane[-2] is False, "still holding the GIL with a long queue on the device"
+    assert lane[-1] is True, "the queue drained: launches keep the GIL again"
+    assert ("streamlane-wait-0", True) in settings
+
+
 async def test_a_full_lane_makes_submit_wait(device):
     method = double_program().method("forward", device=device)
     held = device.create_stream()
