@@ -13,7 +13,7 @@ mkdir -p "$out"
 fault=tests/test_sched_failure.py::test_a_faulting_kernel_on_the_gpu_breaks_the_scheduler_without_a_hang
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv > "$out/gpu.txt"
 [[ $skip == *" tests "* ]] || {
-  timeout -k 5 200 python3 -m pytest -m cuda -q -p no:cacheprovider -rs --timeout 60 \
+  timeout -k 5 200 python3 -m pytest -m cuda -q -p no:cacheprovider -rfEs --timeout 60 \
       --timeout-method=thread --deselect "$fault"
   echo "== the GPU-fault test"
   timeout -k 5 90 python3 -m pytest -q -p no:cacheprovider --timeout 80 --timeout-method=thread \

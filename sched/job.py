@@ -95,7 +95,6 @@ class Job:
         "__weakref__",
         "_device_waits",
         "_done",
-        "_end_event",
         "_enqueue_error",
         "_error",
         "_finished",
@@ -130,9 +129,7 @@ class Job:
         self.results: list[Result] | None = None
         self.span: tuple[float, float] | None = None  # device start/end, s after the reference
         self.track: str | None = None  # the timeline row: "lane 0", "lane 0 stream 0x10"
-        # Timing events (``timing=True``), the lane's to reuse once the span is read:
-        self._start_event: Event | None = None
-        self._end_event: Event | None = None
+        self._start_event: Event | None = None  # timing=True: the lane's to reuse once read
         self._stream_key: Any = None
         self._enqueue_error: BaseException | None = None
         self._is_published = False
@@ -238,7 +235,7 @@ class Job:
         self._error = error
         if state != DONE:
             self.results = None  # a failed job's outputs are garbage: let their buffers go
-        self._start_event = self._end_event = None
+        self._start_event = None
         self._done.set()
         return True
 

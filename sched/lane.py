@@ -97,7 +97,7 @@ class Lane:
         self._queued_calls = 0  # driver calls of the jobs in flight (see HOLD_GIL_BELOW)
         self._park = threading.Event()  # what threads wait on once the device is lost
         self._busy_s = 0.0
-        self._events: list[Event] = []  # timing events to reuse (taken by the lane thread)
+        self._events: list[Event] = []  # start timing events to reuse (taken by the lane thread)
         self.stream_handle: int | None = None
         self.startup_error: BaseException | None = None
         # Loop side (set up by the scheduler inside the running loop):
@@ -208,10 +208,12 @@ class Lane:
             method.set_inputs(inputs)
             method.execute()
             results = method.get_outputs()
-            # The method's own end-of-execute event is the job's event (it does not move while
-            # the job holds the outputs); timing adds a pair of reused events around it.
+            # Without timing, the method's own end-of-execute event (recorded last on this
+            # stream; it does not move while the job holds the outputs) marks completion. With
+            # timing, a timing event recorded after it does (public: a new one per job).
+            end = stream.record(self.device.create_event(timing=True)) if core.timing \
+                else method.last_event
             job._start_event = start
-            job._end_event = stream.record(self._timing_event()) if core.timing else None
             job._stream_key = stream.key
             track = f"lane {self.index}" if job.stream is None else \
                 f"lane {self.index} stream {stream.handle:#x}"
@@ -228,7 +230,7 @@ class Lane:
             self._in_flight += 1
             self._queued_calls += _calls(job)
         job.track = track
-        job._publish(method.last_event, results, None)
+        job._publish(end, results, None)
         if not self._complete_here(job):
             with self._lock:
                 self._handed += 1
@@ -236,7 +238,7 @@ class Lane:
         return None
 
     def _timing_event(self) -> Event:
-        """A timing event to record: one a settled job gave back, or a new one."""
+        """A timing event to record a job's start on: one a settled job gave back, or new."""
         try:
             return self._events.pop()
         except IndexError:
@@ -249,7 +251,8 @@ class Lane:
         Only when the waiter holds no job of this lane, so completions stay in lane order."""
         if self._handed or not self._jobs.empty():
             return False
-        event = _completion(job)
+        event = job.event
+        assert event is not None
         try:
             if not event.query():
                 deadline = time.perf_counter() + self._core.spin_s
@@ -341,7 +344,8 @@ class Lane:
         return self._park if self.device.lost else None  # never set, but by tests
 
     def _wait(self, job: Job) -> None:
-        event = _completion(job)
+        event = job.event
+        assert event is not None
         spin_s = self._core.spin_s
         if spin_s > 0:  # a short spin lowers latency where the wake-up of a blocked wait is slow
             deadline = time.perf_counter() + spin_s
@@ -355,7 +359,7 @@ class Lane:
         ref = core.reference
         busy = 0.0
         for job in batch:
-            start, end = job._start_event, job._end_event
+            start, end = job._start_event, job.event
             if ref is None or start is None or end is None:
                 continue
             try:
@@ -363,8 +367,8 @@ class Lane:
                 t1 = ref.elapsed_ms(end) / 1e3
             except Exception:  # timing is best effort; it never fails a job
                 continue
-            job._start_event = job._end_event = None
-            self._events += (start, end)  # complete and read: free to record again
+            job._start_event = None
+            self._events.append(start)  # complete, read and private: free to record again
             job.span = (t0, t1)
             busy += t1 - t0
             core.record_span(Span(job.id, job.name, self.index, job.track, t0, t1))
@@ -380,17 +384,9 @@ def _calls(job: Job) -> int:
     return len(job.method.definition.steps) + 4
 
 
-def _completion(job: Job) -> Event:
-    """The event that marks ``job`` complete: its timing end event if it has one (recorded
-    last, and read once complete), else its own event."""
-    event = job._end_event or job.event
-    assert event is not None
-    return event
-
-
 def _complete(job: Job) -> bool:
     try:
-        return _completion(job).query()
+        return job.event is not None and job.event.query()
     except Exception:  # a device error: the blocking wait reports it
         return False
 

@@ -124,19 +124,22 @@ async def test_a_lane_launches_without_releasing_the_gil_only_while_its_queue_is
     monkeypatch.setattr(type(device), "hold_gil", lambda self, on: (
         settings.append((threading.current_thread().name, on)), real(self, on))[1])
     method = double_program().method("forward", device=device)
+    x = Result.from_host(data(0), device)
+    x.to_host()
     held = device.create_stream()
-    count = 3 * HOLD_GIL_BELOW // 5
+    # Past the bound, but short of a full CUDA stream queue (about a thousand entries), where
+    # the lane would block in the driver before all of them are in flight:
+    count = 6 * HOLD_GIL_BELOW // 5 // (len(method.definition.steps) + 4)
     with anyio.fail_after(60):
         async with Scheduler(device, lanes=1, queue_size=count) as sched:
             with device.create_latch() as latch:
                 latch.hold(held)
-                jobs = [await sched.submit(method, [data(i % 50)], stream=held)
-                        for i in range(count)]
+                jobs = [await sched.submit(method, [x], stream=held) for _ in range(count)]
                 await wait_until(lambda: sched.statistics()[0].in_flight == count)
                 latch.release()
             for job in jobs:
                 await job
-            await sched.run(method, [data(0)])
+            await sched.run(method, [x])
     lane = [on for name, on in settings if name.startswith("streamlane-lane")]
     per_job = _calls(jobs[0])
     assert lane[:HOLD_GIL_BELOW // per_job] == [True] * (HOLD_GIL_BELOW // per_job)

@@ -58,9 +58,9 @@ async def test_a_caller_stream_per_program_overlaps_on_one_lane(device):
 
 @pytest.mark.anyio
 async def test_timing_events_are_reused_and_every_span_stays_right(device, monkeypatch):
-    """Each job's span comes from a pair of timing events the lane reuses once the span is
-    read (creating and destroying two per job cost a quarter of an await on the H200): few are
-    ever created, and the spans of one lane's jobs still follow each other in order."""
+    """A job's span starts at a timing event the lane reuses once the span is read, and ends
+    at the job's own event (public, so new for each job): one timing event per job is created,
+    not two, and the spans of one lane's jobs still follow each other in order."""
     created = []
     real_create = type(device).create_event
 
@@ -82,7 +82,7 @@ async def test_timing_events_are_reused_and_every_span_stays_right(device, monke
             spans = [job.span for job in jobs]
     assert all(span is not None and 0 <= span[0] < span[1] for span in spans), spans
     assert all(a[1] <= b[0] + 1e-6 for a, b in itertools.pairwise(spans)), "spans out of order"
-    assert created.count(True) <= 10, f"{created.count(True)} timing events for {count} jobs"
+    assert created.count(True) <= count + 10, f"{created.count(True)} for {count} jobs"
     assert len(sched.timeline().spans) == count
 
 
