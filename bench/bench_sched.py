@@ -165,7 +165,7 @@ def bench_overlap(dev: Any, raw: Any, rep: Report, q: bool) -> None:
     streams = [dev.create_stream() for _ in range(max(counts))]
     rows = []
 
-    async def scheduled(n: int, mode: str) -> tuple[float, float]:
+    async def scheduled(n: int, mode: str) -> tuple[float, float, float]:
         lanes = n if mode == "lanes" else 1
         async with Scheduler(dev, lanes=lanes) as sched:
             await sched.run(methods[0], [x])  # warm
@@ -179,7 +179,8 @@ def bench_overlap(dev: Any, raw: Any, rep: Report, q: bool) -> None:
                 for job in jobs:
                     await job
                 walls.append(time.perf_counter() - t)
-            return statistics.median(walls), sched.timeline().overlap()
+            starts = [span.start_s for span in sched.timeline().spans]  # the last repeat's
+            return statistics.median(walls), sched.timeline().overlap(), max(starts) - min(starts)
 
     raw_streams = [raw.stream() for _ in range(max(counts))] if raw is not None else []
     raw_events = [raw.event() for _ in range(max(counts))] if raw is not None else []
@@ -206,9 +207,9 @@ def bench_overlap(dev: Any, raw: Any, rep: Report, q: bool) -> None:
     if raw is not None:
         raw_wall(2, True, True)  # warm
     for n in counts:
-        one, one_overlap = run_on("asyncio", scheduled, n, "one lane")
-        streams_wall, streams_overlap = run_on("asyncio", scheduled, n, "streams")
-        lanes_wall, lanes_overlap = run_on("asyncio", scheduled, n, "lanes")
+        one, one_overlap, _ = run_on("asyncio", scheduled, n, "one lane")
+        streams_wall, streams_overlap, streams_spread = run_on("asyncio", scheduled, n, "streams")
+        lanes_wall, lanes_overlap, lanes_spread = run_on("asyncio", scheduled, n, "lanes")
         row: dict[str, Any] = {"N": n}
         if raw is not None:
             serial, parallel = raw_wall(n, False, False), raw_wall(n, True, False)
@@ -220,7 +221,10 @@ def bench_overlap(dev: Any, raw: Any, rep: Report, q: bool) -> None:
             row["streams_vs_raw_same_work"] = row["streams_speedup"] / row["raw_same_work_speedup"]
         row.update({"streams_overlap": streams_overlap, "lanes_overlap": lanes_overlap,
                     "one_lane_ms": one * 1e3, "streams_ms": streams_wall * 1e3,
-                    "lanes_ms": lanes_wall * 1e3, "one_lane_overlap": one_overlap})
+                    "lanes_ms": lanes_wall * 1e3, "one_lane_overlap": one_overlap,
+                    # device start of the last job minus the first's: the dispatch stagger
+                    "streams_start_spread_us": streams_spread * 1e6,
+                    "lanes_start_spread_us": lanes_spread * 1e6})
         if raw is not None:
             row.update({"raw_serial_ms": serial * 1e3, "raw_streams_ms": parallel * 1e3,
                         "raw_same_work_serial_ms": serial2 * 1e3,

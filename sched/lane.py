@@ -259,6 +259,7 @@ class Lane:
                 while True:
                     if time.perf_counter() >= deadline or not self._jobs.empty():
                         return False
+                    time.sleep(0)  # queries keep the GIL (hold_gil): let the loop run between
                     if event.query():
                         break
         except Exception:  # a device error: the waiter's blocking wait reports it
@@ -352,6 +353,7 @@ class Lane:
             while time.perf_counter() < deadline:
                 if event.query():
                     return
+                time.sleep(0)  # queries keep the GIL (hold_gil): let the others run between
         event.synchronize()
 
     def _spans(self, batch: list[Job]) -> float:
