@@ -221,16 +221,28 @@ class _ThreadLocal(threading.local):
 _bound = _Bound()
 
 
+SPARE_EVENTS_MAX = 1024  # CUevent handles a device keeps for reuse, per kind
+
+
 class _CudaEvent:
-    """A CUevent, destroyed with its last reference (holds the handle only)."""
+    """A CUevent. With its last reference the handle goes back to its device's spares (no
+    driver call: events die on whatever thread drops them, the event loop's included, and on
+    the H200 a cuEventDestroy there waited behind a lane blocked in the driver), and the next
+    event of that kind reuses it. A spare may still have a record pending; waits already
+    enqueued on it are unaffected, and an Event that was never recorded is complete without
+    asking the driver (Event's contract), so the stale record is never observed."""
 
-    __slots__ = ("addr", "handle")
+    __slots__ = ("addr", "handle", "spares")
 
-    def __init__(self, handle: Any):
+    def __init__(self, handle: Any, spares: list[Any]):
         self.handle = handle
         self.addr = int(handle)  # for the short calls
+        self.spares = spares
 
     def __del__(self) -> None:
+        if len(self.spares) < SPARE_EVENTS_MAX:
+            self.spares.append(self.handle)
+            return
         try:
             check(_driver.cuEventDestroy(self.handle))
         except Exception:  # interpreter shutdown, dead context: nothing left to free
@@ -381,6 +393,7 @@ class CudaDevice(Device):
         self._plans: dict[int, tuple[Any, ...]] = {}  # id(PreparedLaunch) -> launch plan
         self._cu_launch = d.cuLaunchKernel
         self._short = _short_calls()
+        self._spare_events: dict[bool, list[Any]] = {True: [], False: []}  # by timing
 
     def hold_gil(self, enabled: bool) -> None:
         """See ``Device.hold_gil``: on CUDA, launches, event records and queries and stream
@@ -453,6 +466,8 @@ class CudaDevice(Device):
         check(_driver.cuStreamSynchronize(impl))
 
     def _stream_wait(self, impl: Any, event: Event) -> None:
+        if not event.recorded:
+            return  # never recorded: complete (its handle may be a spare with a stale record)
         if _bound.context is not self._context:
             self._make_current()
         if _bound.hold_gil:
@@ -468,8 +483,12 @@ class CudaDevice(Device):
             self._make_current()
         # Default flags, not CU_EVENT_BLOCKING_SYNC: a host wait may spin, which answers in
         # microseconds instead of a scheduler wake-up; the waiting thread has released the GIL.
-        flags = 0 if timing else _driver.CUevent_flags.CU_EVENT_DISABLE_TIMING
-        return _CudaEvent(check(_driver.cuEventCreate(flags)))
+        spares = self._spare_events[timing]
+        try:
+            return _CudaEvent(spares.pop(), spares)
+        except IndexError:
+            flags = 0 if timing else _driver.CUevent_flags.CU_EVENT_DISABLE_TIMING
+            return _CudaEvent(check(_driver.cuEventCreate(flags)), spares)
 
     def _record(self, event: Event, stream_impl: Any) -> None:
         if _bound.context is not self._context:
@@ -483,6 +502,8 @@ class CudaDevice(Device):
         event.recorded = True
 
     def _event_query(self, event: Event) -> bool:
+        if not event.recorded:
+            return True  # see _stream_wait
         if _bound.context is not self._context:
             self._make_current()
         if _bound.hold_gil:
@@ -499,6 +520,8 @@ class CudaDevice(Device):
         return True
 
     def _event_synchronize(self, event: Event) -> None:
+        if not event.recorded:
+            return  # see _stream_wait
         if _bound.context is not self._context:
             self._make_current()
         self._count_wait()
@@ -532,7 +555,8 @@ class CudaDevice(Device):
             self._make_current()
         stream = self._legacy_impl if stream_impl is None else stream_impl
         for event in after:  # every stream that used the buffer has passed its use (rule 8)
-            check(_driver.cuStreamWaitEvent(stream, event._impl.handle, 0))
+            if event.recorded:
+                check(_driver.cuStreamWaitEvent(stream, event._impl.handle, 0))
         if impl:  # stream-ordered: reusable once the stream passes this point
             check(_driver.cuMemFreeAsync(ptr, stream))
         else:

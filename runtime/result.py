@@ -109,12 +109,15 @@ class OutputPool:
         """A buffer no live Result holds, ready to be written on ``stream`` (rule 8)."""
         buffers = self.buffers
         n = len(buffers)
-        start = 0
-        check = False
-        if n > 2:
-            start = self.turn
-            self.quiet += 1
-            check = self.quiet % _CHECK_EVERY == 0
+        if n <= 2:  # the steady state of a method called from one place: two take turns
+            for pooled in buffers:
+                if not pooled.held:
+                    pooled.prepare_write(stream)
+                    return pooled
+            return self._grow(stream)
+        start = self.turn
+        self.quiet += 1
+        check = self.quiet % _CHECK_EVERY == 0
         for k in range(n):
             i = start + k if start + k < n else start + k - n
             pooled = buffers[i]
@@ -124,8 +127,11 @@ class OutputPool:
                     self._check(pooled, stream)
                 pooled.prepare_write(stream)
                 return pooled
+        return self._grow(stream)
+
+    def _grow(self, stream: Stream) -> PooledBuffer:
         pooled = self.make(stream)
-        buffers.append(pooled)
+        self.buffers.append(pooled)
         self.quiet = self.most = 0
         return pooled
 

@@ -239,6 +239,29 @@ def test_event_record_query_synchronize_and_elapsed(cuda_device, short_calls):
 
 
 @pytest.mark.cuda
+def test_a_reused_event_handle_never_shows_its_old_record(cuda_device):
+    """A dropped event's handle is reused by the next event (no cuEventDestroy on whatever
+    thread dropped it); its old record, still pending behind a latch, must not be seen."""
+    with cuda_device.create_stream() as s, cuda_device.create_stream() as t, \
+            cuda_device.create_latch() as latch:
+        latch.hold(s)
+        old = s.record()
+        handle = int(old._impl.handle)
+        gc.collect()
+        cuda_device._spare_events[False].clear()  # so the next event takes old's handle
+        del old
+        new = cuda_device.create_event()
+        assert int(new._impl.handle) == handle, "the handle was not reused"
+        assert new.query(), "a never-recorded event reported its handle's old record"
+        t.wait(new)
+        t.record(new)
+        t0 = time.perf_counter()
+        new.synchronize()
+        assert time.perf_counter() - t0 < 5, "waited for the latched old record"
+        latch.release()
+
+
+@pytest.mark.cuda
 def test_stream_wait_holds_b_until_a_passes_the_event(cuda_device, short_calls):
     dev = cuda_device
     with dev.create_stream() as a, dev.create_stream() as b, dev.create_latch() as latch:

@@ -10,8 +10,14 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from streamlane.runtime import InvalidArgument, get_device
-from streamlane.runtime.cuda import CudaDevice, _bound, _BoundLaunch
+from streamlane.runtime import Event, InvalidArgument, get_device
+from streamlane.runtime.cuda import (
+    SPARE_EVENTS_MAX,
+    CudaDevice,
+    _bound,
+    _BoundLaunch,
+    _CudaEvent,
+)
 
 
 class _Driver:
@@ -91,3 +97,25 @@ def test_wrong_number_of_arrays_is_refused_before_the_driver():
     with pytest.raises(InvalidArgument, match="takes 2 inputs and 1 outputs, got 1 and 1"):
         bound(STREAM, arrays(1), arrays(2))
     assert fake.launches == []
+
+
+def test_a_dropped_event_handle_is_kept_for_reuse_without_a_driver_call():
+    """Events die on any thread (the event loop's too): their handles go back to the device's
+    spares instead of cuEventDestroy, and the next event of the kind takes one (no driver:
+    this machine may have none, so any call would fail)."""
+    spares: list = []
+    handles = [_Function() for _ in range(3)]
+    for h in handles:
+        _CudaEvent(h, spares)  # dropped at once
+    assert spares == handles
+    fake = SimpleNamespace(_context=_bound.context, _spare_events={True: spares, False: []})
+    impl = CudaDevice._new_event(fake, True)  # type: ignore[arg-type]
+    assert impl.handle is handles[-1] and impl.spares is spares and len(spares) == 2
+    event = Event(fake, impl, True)  # type: ignore[arg-type]
+    # Never recorded: complete, and nothing to wait for, whatever the handle's old record.
+    assert CudaDevice._event_query(fake, event) is True  # type: ignore[arg-type]
+    assert CudaDevice._event_synchronize(fake, event) is None  # type: ignore[arg-type]
+    assert CudaDevice._stream_wait(fake, None, event) is None  # type: ignore[arg-type]
+    full = [object()] * SPARE_EVENTS_MAX
+    _CudaEvent(_Function(), full)  # at the limit: destroyed (here the call fails, quietly)
+    assert len(full) == SPARE_EVENTS_MAX
