@@ -165,9 +165,9 @@ def bench_overlap(dev: Any, raw: Any, rep: Report, q: bool) -> None:
     streams = [dev.create_stream() for _ in range(max(counts))]
     rows = []
 
-    async def scheduled(n: int, mode: str) -> tuple[float, float, float]:
+    async def scheduled(n: int, mode: str, timing: bool) -> tuple[float, float, float]:
         lanes = n if mode == "lanes" else 1
-        async with Scheduler(dev, lanes=lanes) as sched:
+        async with Scheduler(dev, lanes=lanes, timing=timing) as sched:
             await sched.run(methods[0], [x])  # warm
             walls = []
             for _ in range(reps):
@@ -179,6 +179,8 @@ def bench_overlap(dev: Any, raw: Any, rep: Report, q: bool) -> None:
                 for job in jobs:
                     await job
                 walls.append(time.perf_counter() - t)
+            if not timing:
+                return statistics.median(walls), float("nan"), float("nan")
             starts = [span.start_s for span in sched.timeline().spans]  # the last repeat's
             return statistics.median(walls), sched.timeline().overlap(), max(starts) - min(starts)
 
@@ -207,9 +209,13 @@ def bench_overlap(dev: Any, raw: Any, rep: Report, q: bool) -> None:
     if raw is not None:
         raw_wall(2, True, True)  # warm
     for n in counts:
-        one, one_overlap, _ = run_on("asyncio", scheduled, n, "one lane")
-        streams_wall, streams_overlap, streams_spread = run_on("asyncio", scheduled, n, "streams")
-        lanes_wall, lanes_overlap, lanes_spread = run_on("asyncio", scheduled, n, "lanes")
+        one, one_overlap, _ = run_on("asyncio", scheduled, n, "one lane", True)
+        streams_wall, streams_overlap, streams_spread = run_on("asyncio", scheduled, n, "streams",
+                                                               True)
+        lanes_wall, lanes_overlap, lanes_spread = run_on("asyncio", scheduled, n, "lanes", True)
+        # The same without timing events (Scheduler(timing=False), how to run for speed):
+        untimed = {mode: run_on("asyncio", scheduled, n, mode, False)[0]
+                   for mode in ("one lane", "streams", "lanes")}
         row: dict[str, Any] = {"N": n}
         if raw is not None:
             serial, parallel = raw_wall(n, False, False), raw_wall(n, True, False)
@@ -217,8 +223,12 @@ def bench_overlap(dev: Any, raw: Any, rep: Report, q: bool) -> None:
             row["raw_streams_speedup"] = serial / parallel
             row["raw_same_work_speedup"] = serial2 / parallel2
         row.update({"streams_speedup": one / streams_wall, "lanes_speedup": one / lanes_wall})
+        row.update({"streams_speedup_untimed": untimed["one lane"] / untimed["streams"],
+                    "lanes_speedup_untimed": untimed["one lane"] / untimed["lanes"]})
         if raw is not None:
             row["streams_vs_raw_same_work"] = row["streams_speedup"] / row["raw_same_work_speedup"]
+            row["streams_untimed_vs_raw_same_work"] = (row["streams_speedup_untimed"]
+                                                       / row["raw_same_work_speedup"])
         row.update({"streams_overlap": streams_overlap, "lanes_overlap": lanes_overlap,
                     "one_lane_ms": one * 1e3, "streams_ms": streams_wall * 1e3,
                     "lanes_ms": lanes_wall * 1e3, "one_lane_overlap": one_overlap,
@@ -231,7 +241,8 @@ def bench_overlap(dev: Any, raw: Any, rep: Report, q: bool) -> None:
                         "raw_same_work_streams_ms": parallel2 * 1e3})
         rows.append(row)
     rep.section(f"(b) overlap of N single-block spins of {spin_us} us (median of {reps})", rows,
-                "speedups over serial (one lane; raw: one stream); overlap from timing events. "
+                "speedups over serial (one lane; raw: one stream), with timing events and "
+                "_untimed without (Scheduler(timing=False)); overlap from timing events. "
                 "raw: a spin per stream; raw same work: the program's two kernels (spin, then a "
                 "1-float kernel) per stream. Goals: >= 1.9x at N=2, >= 7x at N=8, within 10% "
                 "of raw streams for every N. CUDA_DEVICE_MAX_CONNECTIONS (hardware queues, "
