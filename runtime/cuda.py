@@ -155,8 +155,9 @@ class _Bound(threading.local):
 
 
 class _ShortCalls:
-    """The four driver calls that never wait for the device while its queue has room —
-    ``cuLaunchKernel``, ``cuEventRecord``, ``cuEventQuery``, ``cuStreamWaitEvent`` — called
+    """The driver calls that never wait for the device while its queue has room —
+    ``cuLaunchKernel``, ``cuEventRecord``, ``cuEventQuery``, ``cuStreamWaitEvent``,
+    ``cuEventElapsedTime`` — called
     through ``ctypes.PyDLL``, which keeps the GIL (torch and CuPy launch with the GIL held too).
     cuda.bindings releases the GIL around every call; from a lane that hands the GIL to the
     event loop at each launch, and the lane then waits for the loop to give it back (measured
@@ -174,7 +175,11 @@ class _ShortCalls:
         self.query.argtypes = [vp]
         self.wait = lib.cuStreamWaitEvent
         self.wait.argtypes = [vp, vp, u]
-        for fn in (self.launch, self.record, self.query, self.wait):
+        # CUDA 13 headers map cuEventElapsedTime to its _v2 (same signature); older drivers
+        # export only the first.
+        self.elapsed = getattr(lib, "cuEventElapsedTime_v2", None) or lib.cuEventElapsedTime
+        self.elapsed.argtypes = [ctypes.POINTER(ctypes.c_float), vp, vp]
+        for fn in (self.launch, self.record, self.query, self.wait, self.elapsed):
             fn.restype = ctypes.c_int
 
 
@@ -183,6 +188,11 @@ def _short_calls() -> _ShortCalls | None:
         return _ShortCalls()
     except (OSError, AttributeError):
         return None
+
+
+def _not_complete() -> InvalidArgument:
+    return InvalidArgument("elapsed_ms: both events must have completed; synchronize the end "
+                           "event first")
 
 
 def _fail(rc: int) -> DeviceError:
@@ -530,10 +540,18 @@ class CudaDevice(Device):
     def _elapsed_ms(self, start: Event, end: Event) -> float:
         if _bound.context is not self._context:
             self._make_current()
+        if _bound.hold_gil:
+            ms = ctypes.c_float()
+            rc = self._short.elapsed(ctypes.byref(ms), start._impl.addr,  # type: ignore[union-attr]
+                                     end._impl.addr)
+            if rc == _NOT_READY_CODE:
+                raise _not_complete()
+            if rc:
+                raise _fail(rc)
+            return float(ms.value)
         result = _driver.cuEventElapsedTime(start._impl.handle, end._impl.handle)
         if result[0] == _NOT_READY:
-            raise InvalidArgument("elapsed_ms: both events must have completed; synchronize "
-                                  "the end event first")
+            raise _not_complete()
         return float(check(result))
 
     def _device_synchronize(self) -> None:

@@ -138,8 +138,8 @@ class Device(ABC):
 
     def hold_gil(self, enabled: bool) -> None:
         """For the calling thread: make the short driver calls (kernel launch, event record,
-        event query, stream wait) without releasing the GIL, as torch and CuPy do. Other
-        Python threads then cannot take the GIL in the middle of a launch, which costs a
+        query and elapsed time, stream wait) without releasing the GIL, as torch and CuPy do.
+        Other Python threads then cannot take the GIL in the middle of a launch, which costs a
         thread that launches often the wait to get it back (the scheduler's lanes turn it on).
         A launch or record blocks while its stream's queue is full (about a thousand pending
         launches): with the GIL held that would stall every Python thread, so turn it on only
