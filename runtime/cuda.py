@@ -406,8 +406,8 @@ class CudaDevice(Device):
         self._spare_events: dict[bool, list[Any]] = {True: [], False: []}  # by timing
 
     def hold_gil(self, enabled: bool) -> None:
-        """See ``Device.hold_gil``: on CUDA, launches, event records and queries and stream
-        waits from this thread keep the GIL while ``enabled``."""
+        """See ``Device.hold_gil``: on CUDA, the ``_ShortCalls`` from this thread keep the GIL
+        while ``enabled`` (a no-op where libcuda could not be loaded through ctypes)."""
         _bound.hold_gil = bool(enabled) and self._short is not None
 
     def _attribute(self, which: Any) -> int:
@@ -573,8 +573,7 @@ class CudaDevice(Device):
             self._make_current()
         stream = self._legacy_impl if stream_impl is None else stream_impl
         for event in after:  # every stream that used the buffer has passed its use (rule 8)
-            if event.recorded:
-                check(_driver.cuStreamWaitEvent(stream, event._impl.handle, 0))
+            check(_driver.cuStreamWaitEvent(stream, event._impl.handle, 0))
         if impl:  # stream-ordered: reusable once the stream passes this point
             check(_driver.cuMemFreeAsync(ptr, stream))
         else:
@@ -679,7 +678,7 @@ class _BoundLaunch:
             *[base + 8 * i for i in range(len(types))])
         self._head = (fn, gx, gy, gz, bx, by, bz, shared)
         self._addr = ctypes.addressof(self._argv)
-        self._fn: int | None = None  # the CUfunction's address, for the short call
+        self._fn = int(fn)  # the CUfunction's address, for the short call
 
     def __call__(self, stream: Stream, ins: Sequence[DeviceArray],
                  outs: Sequence[DeviceArray]) -> None:
@@ -699,8 +698,6 @@ class _BoundLaunch:
             i += 1
         fn, gx, gy, gz, bx, by, bz, shared = self._head
         if _bound.hold_gil:
-            if self._fn is None:
-                self._fn = int(fn)
             rc = device._short.launch(self._fn, gx, gy, gz, bx, by, bz,  # type: ignore[union-attr]
                                       shared, stream.handle, self._addr, None)
             if rc:

@@ -208,8 +208,9 @@ class Result:
 
     def ready(self) -> bool:
         """True when the work producing this result has finished (never blocks)."""
-        if not self._complete and self.event is not None and self.event.query():
-            self._complete = True
+        if not self._complete:
+            assert self.event is not None  # _complete starts True without an event
+            self._complete = self.event.query()
         return self._complete
 
     # -- data -----------------------------------------------------------------------------

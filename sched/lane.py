@@ -165,9 +165,11 @@ class Lane:
                 finally:
                     assert self.ready is not None
                     core.waker.post(self.ready.set)
-                device = self.device
+                holding = False
                 while (job := self._jobs.get()) is not None:
-                    device.hold_gil(self._queued_calls < HOLD_GIL_BELOW)
+                    if holding != (self._queued_calls < HOLD_GIL_BELOW):
+                        holding = not holding
+                        self.device.hold_gil(holding)
                     self._execute(job, stream)
                     del job  # not held while waiting for the next one (see _run_waiter)
         finally:

@@ -119,10 +119,17 @@ async def test_a_lane_launches_without_releasing_the_gil_only_while_its_queue_is
     stuck with the GIL held would stall the loop (and, behind a latch, never end)."""
     from streamlane.sched.lane import HOLD_GIL_BELOW, _calls
 
-    settings: list[tuple[str, bool]] = []
+    settings: list[tuple[str, bool, int | None]] = []  # thread, on, the lane's queued calls
+    scheds: list[Scheduler] = []
     real = type(device).hold_gil
-    monkeypatch.setattr(type(device), "hold_gil", lambda self, on: (
-        settings.append((threading.current_thread().name, on)), real(self, on))[1])
+
+    def hold_gil(self, on):
+        name = threading.current_thread().name
+        queued = scheds[0].lanes[0]._queued_calls if name.startswith("streamlane-lane") else None
+        settings.append((name, on, queued))
+        real(self, on)
+
+    monkeypatch.setattr(type(device), "hold_gil", hold_gil)
     method = double_program().method("forward", device=device)
     x = Result.from_host(data(0), device)
     x.to_host()
@@ -132,6 +139,7 @@ async def test_a_lane_launches_without_releasing_the_gil_only_while_its_queue_is
     count = 6 * HOLD_GIL_BELOW // 5 // (len(method.definition.steps) + 4)
     with anyio.fail_after(60):
         async with Scheduler(device, lanes=1, queue_size=count) as sched:
+            scheds.append(sched)  # the lane's first setting comes with the first job
             with device.create_latch() as latch:
                 latch.hold(held)
                 jobs = [await sched.submit(method, [x], stream=held) for _ in range(count)]
@@ -140,12 +148,14 @@ async def test_a_lane_launches_without_releasing_the_gil_only_while_its_queue_is
             for job in jobs:
                 await job
             await sched.run(method, [x])
-    lane = [on for name, on in settings if name.startswith("streamlane-lane")]
     per_job = _calls(jobs[0])
-    assert lane[:HOLD_GIL_BELOW // per_job] == [True] * (HOLD_GIL_BELOW // per_job)
-    assert lane[-2] is False, "still holding the GIL with a long queue on the device"
-    assert lane[-1] is True, "the queue drained: launches keep the GIL again"
-    assert ("streamlane-wait-0", True) in settings
+    first_over = per_job * -(-HOLD_GIL_BELOW // per_job)  # queued calls once past the bound
+    lane = [(on, queued) for name, on, queued in settings if name.startswith("streamlane-lane")]
+    assert [on for on, _ in lane] == [True, False, True], lane
+    assert lane[0][1] == 0, "the first job did not keep the GIL"
+    assert lane[1][1] == first_over, "let go of the GIL at the wrong queue length"
+    assert lane[2][1] < HOLD_GIL_BELOW, "the queue drained: launches keep the GIL again"
+    assert ("streamlane-wait-0", True, None) in settings
 
 
 async def test_a_full_lane_makes_submit_wait(device):
