@@ -107,22 +107,31 @@ def bench_latency(dev: Any, raw: Any, rep: Report, q: bool) -> None:
             ns.append(time.perf_counter_ns() - t)
     out["streamlane runtime, no asyncio"] = summary(ns)
 
-    async def through_scheduler(timing: bool, spin_us: float) -> list[int]:
-        async with Scheduler(dev, lanes=1, timing=timing, spin_us=spin_us) as sched:
+    caller = dev.create_stream()
+
+    async def through_scheduler(timing: bool, spin_us: float, poll_us: float,
+                                stream: Any) -> list[int]:
+        async with Scheduler(dev, lanes=1, timing=timing, spin_us=spin_us,
+                             poll_us=poll_us) as sched:
             for _ in range(warm):
-                await sched.run(method, [x])
+                await sched.run(method, [x], stream=stream)
             ns = []
             for _ in range(iters):
                 t = time.perf_counter_ns()
-                await sched.run(method, [x])
+                await sched.run(method, [x], stream=stream)
                 ns.append(time.perf_counter_ns() - t)
             return ns
 
+    # (timing events, waiter spin us, loop poll us, caller stream): the lane's own stream (the
+    # lane thread enqueues), then a caller stream (the loop enqueues: inputs are on the device)
+    configs = [(False, 0.0, 50.0, None), (True, 0.0, 50.0, None), (False, 50.0, 50.0, None),
+               (False, 0.0, 50.0, caller), (True, 0.0, 50.0, caller), (False, 0.0, 0.0, caller)]
     for backend in backends_available():
-        for timing, spin in ((False, 0.0), (True, 0.0), (False, 50.0)):
-            label = f"scheduler {backend}" + ("" if not timing else ", timing events") + \
-                (f", spin {spin:g} us" if spin else "")
-            out[label] = summary(run_on(backend, through_scheduler, timing, spin))
+        for timing, spin, poll, stream in configs:
+            label = f"scheduler {backend}" + (", caller stream" if stream is not None else "") \
+                + (", timing events" if timing else "") + (f", spin {spin:g} us" if spin else "") \
+                + (", no poll" if not poll else "")
+            out[label] = summary(run_on(backend, through_scheduler, timing, spin, poll, stream))
 
     if raw is not None and importlib.util.find_spec("torch"):
         import torch
@@ -257,7 +266,9 @@ def bench_throughput(dev: Any, raw: Any, rep: Report, q: bool) -> None:
     x = Result.from_host(np.ones(256, np.float32), dev)
     x.to_host()
 
-    async def storm(timing: bool, n_lanes: int) -> tuple[float, list[int]]:
+    streams = [dev.create_stream() for _ in range(lanes)]
+
+    async def storm(timing: bool, n_lanes: int, on_streams: bool) -> tuple[float, list[int]]:
         ns: list[int] = []
         async with Scheduler(dev, lanes=n_lanes, timing=timing) as sched:
             for i, m in enumerate(methods):
@@ -265,9 +276,10 @@ def bench_throughput(dev: Any, raw: Any, rep: Report, q: bool) -> None:
 
             async def worker(i: int) -> None:
                 m = methods[i % lanes]
+                stream = streams[i % lanes] if on_streams else None
                 for _ in range(per_task):
                     t = time.perf_counter_ns()
-                    await sched.run(m, [x])
+                    await sched.run(m, [x], stream=stream)
                     ns.append(time.perf_counter_ns() - t)
 
             t = time.perf_counter()
@@ -279,11 +291,14 @@ def bench_throughput(dev: Any, raw: Any, rep: Report, q: bool) -> None:
     rows = []
     # The configuration (4 lanes) on every loop, then fewer lanes for the same four
     # methods: each driver call hands the GIL to another thread (bench/convoy_probe.py).
-    configs = [(b, timing, lanes) for b in backends_available() for timing in (False, True)]
-    configs += [("asyncio", False, n) for n in (1, 2)]
-    for backend, timing, n_lanes in configs:
-        wall, ns = run_on(backend, storm, timing, n_lanes)
+    # Last, each method on its own caller stream: the loop thread enqueues (Lane.run_inline).
+    configs = [(b, timing, lanes, False) for b in backends_available() for timing in (False, True)]
+    configs += [("asyncio", False, n, False) for n in (1, 2)]
+    configs += [(b, False, lanes, True) for b in backends_available()]
+    for backend, timing, n_lanes, on_streams in configs:
+        wall, ns = run_on(backend, storm, timing, n_lanes, on_streams)
         rows.append({"loop": backend, "lanes": n_lanes, "timing_events": timing,
+                     "caller_streams": on_streams,
                      "programs_per_s": tasks * per_task / wall, "wall_s": wall, **summary(ns)})
     rep.section(f"(c) throughput: {tasks} tasks x {per_task} tiny programs, {lanes} methods",
                 rows, "goal (4 lanes): >= 50,000 programs/s; latency per await of sched.run")

@@ -93,6 +93,7 @@ class Job:
 
     __slots__ = (
         "__weakref__",
+        "_claimed",
         "_device_waits",
         "_done",
         "_enqueue_error",
@@ -132,6 +133,7 @@ class Job:
         self._start_event: Event | None = None  # timing=True: the lane's to reuse once read
         self._stream_key: Any = None
         self._enqueue_error: BaseException | None = None
+        self._claimed = False  # settled by a thread of its lane (or the loop: Lane.poll)
         self._is_published = False
         self._publish_event: threading.Event | None = None  # made only if someone must wait
         # Read by the lane, dropped once enqueued, so a long chain of after= jobs does not keep
@@ -190,7 +192,11 @@ class Job:
         if self._finished:
             await checkpoint()
         else:
-            await self._done.wait()
+            if self._is_published and self._enqueue_error is None:  # in flight: a short poll
+                # may beat the waiter's wakeup
+                await self.lane.poll(self)
+            if not self._finished:
+                await self._done.wait()
         self._retrieved = True
         if self._error is not None:
             raise self._error

@@ -5,6 +5,10 @@ stream (``current_stream`` with no caller stream), or under ``CallerStream(job.s
 job runs it waits, on the host and off the event loop, until every job it depends on has been
 *enqueued* (not completed) and then makes its stream wait for their events on the device.
 
+The *loop thread* may do a lane thread's part itself for a caller-stream job that cannot block
+(``run_inline``; ``Scheduler._can_run_inline`` says when), and may settle a job it sees complete
+while ``await job`` polls (``poll``); a job is settled once, by whichever thread claims it first.
+
 The *waiter thread* waits for the lane's jobs to complete, in order, with the GIL released
 (``Event.synchronize``), then hands every job it finds complete to the loop in one wakeup. Jobs
 on one lane's stream complete in order, so waiting in order never holds a finished job behind an
@@ -28,6 +32,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
+
+from anyio.lowlevel import checkpoint
 
 from streamlane.runtime import CallerStream, Device, Event, current_stream
 from streamlane.runtime.errors import DeviceError
@@ -70,10 +76,13 @@ class _Core(Protocol):
     waker: LoopWaker
     timing: bool
     spin_s: float
+    poll_s: float
     reference: Event | None
 
     @property
     def cancelling(self) -> bool: ...
+    @property
+    def pending(self) -> int: ...
     def broken_error(self) -> BaseException | None: ...
     def break_(self, error: BaseException, job: Job) -> None: ...
     def finish(self, job: Job, state: str, error: BaseException | None) -> None: ...
@@ -120,6 +129,57 @@ class Lane:
         with self._lock:
             self._queued += 1
         self._jobs.put(job)
+
+    def can_run_inline(self, job: Job) -> bool:
+        """Whether the loop thread may enqueue ``job`` itself (``run_inline``): the lane
+        thread has nothing queued, so nothing submitted earlier to this lane can land on the
+        device after it, and the lane's work in flight is short enough that a launch cannot
+        block on a full stream queue (``HOLD_GIL_BELOW``). The scheduler checks the rest."""
+        return self._queued == 0 and self._queued_calls + _calls(job) < HOLD_GIL_BELOW
+
+    def run_inline(self, job: Job) -> None:
+        """Enqueue ``job`` from the loop thread, then give it to the waiter (no lane hop).
+
+        Only for what cannot block: kernel steps on a caller stream, inputs already on the
+        device, dependencies already enqueued (``Scheduler._enqueue`` decides)."""
+        with self._lock:
+            self._queued += 1
+        device = self.device
+        previous = device.hold_gil(True)
+        try:
+            if self._execute(job, None):
+                self._hand(job)
+        finally:
+            device.hold_gil(previous)
+
+    async def poll(self, job: Job) -> None:
+        """Loop thread, ``await job``: while ``job`` is the scheduler's only pending job, poll
+        its event for up to ``poll_us``, yielding to the loop between queries, and settle it
+        here the moment it completes; the waiter's wakeup (a thread hop) would come later.
+        Returns when the job has finished or the budget is spent."""
+        core = self._core
+        if core.poll_s <= 0 or core.pending > 1:
+            return
+        deadline = time.perf_counter() + core.poll_s
+        while not job._finished and not self._complete_on_loop(job):
+            if time.perf_counter() >= deadline:
+                return
+            await checkpoint()
+
+    def _complete_on_loop(self, job: Job) -> bool:
+        event = job.event
+        device = self.device
+        previous = device.hold_gil(True)
+        try:
+            try:
+                if event is None or not event.query():
+                    return False
+            except Exception:  # a device error: the waiter's blocking wait reports it
+                return False
+            self._settle([job], None, on_loop=True)
+        finally:
+            device.hold_gil(previous)
+        return job._finished
 
     def stop(self) -> None:
         """Let the threads exit once the queue is empty (they post ``exited``)."""
@@ -170,7 +230,8 @@ class Lane:
                     if holding != (self._queued_calls < HOLD_GIL_BELOW):
                         holding = not holding
                         self.device.hold_gil(holding)
-                    self._execute(job, stream)
+                    if self._execute(job, stream) and not self._complete_here(job):
+                        self._hand(job)
                     del job  # not held while waiting for the next one (see _run_waiter)
         finally:
             park = self._parking()
@@ -178,15 +239,19 @@ class Lane:
             if park:
                 park.wait()
 
-    def _execute(self, job: Job, lane_stream: Any) -> None:
+    def _execute(self, job: Job, lane_stream: Any) -> bool:
+        """Enqueue ``job`` on the device and publish it; True once it is in flight (False: it
+        failed or was cancelled before reaching the device, and is reported as such)."""
         core = self._core
         broken = core.broken_error()
         if broken is not None:
-            return self._not_run(job, FAILED, broken)
+            self._not_run(job, FAILED, broken)
+            return False
         if core.cancelling:
-            return self._not_run(job, CANCELLED, SchedulerClosed(
+            self._not_run(job, CANCELLED, SchedulerClosed(
                 f"{job!r} was cancelled before it ran: the scheduler left its async with block "
                 f"on an error"))
+            return False
         guard = None
         try:
             for dep in job._host_waits:
@@ -221,9 +286,11 @@ class Lane:
                 f"lane {self.index} stream {stream.handle:#x}"
         except DeviceError as exc:
             core.break_(exc, job)
-            return self._not_run(job, FAILED, core.broken_error() or exc)
+            self._not_run(job, FAILED, core.broken_error() or exc)
+            return False
         except BaseException as exc:  # the job's own error (bad input, closed stream, ...)
-            return self._not_run(job, FAILED, exc)
+            self._not_run(job, FAILED, exc)
+            return False
         finally:
             if guard is not None:
                 guard.__exit__(None, None, None)
@@ -233,11 +300,13 @@ class Lane:
             self._queued_calls += _calls(job)
         job.track = track
         job._publish(end, results, None)
-        if not self._complete_here(job):
-            with self._lock:
-                self._handed += 1
-            self._completions.put(job)
-        return None
+        return True
+
+    def _hand(self, job: Job) -> None:
+        """Give a job in flight to the waiter thread."""
+        with self._lock:
+            self._handed += 1
+        self._completions.put(job)
 
     def _timing_event(self) -> Event:
         """A timing event to record a job's start on: one a settled job gave back, or new."""
@@ -269,9 +338,18 @@ class Lane:
         self._settle([job], None)
         return True
 
-    def _settle(self, batch: list[Job], error: BaseException | None) -> None:
-        """Count ``batch`` as completed and hand it to the loop (any thread of this lane)."""
+    def _settle(self, batch: list[Job], error: BaseException | None,
+                on_loop: bool = False) -> None:
+        """Count ``batch`` as completed and report it to the loop: from this lane's threads by
+        a wakeup, or directly when ``on_loop`` (the loop thread saw it complete: ``poll``).
+        A job is settled once: whichever thread claims it first does it."""
         core = self._core
+        with self._lock:
+            batch = [job for job in batch if not job._claimed]
+            for job in batch:
+                job._claimed = True
+        if not batch:
+            return
         busy = self._spans(batch) if error is None and core.timing else 0.0
         with self._lock:
             self._in_flight -= len(batch)
@@ -281,7 +359,10 @@ class Lane:
         if error is not None:
             core.break_(error, batch[0])
             error = core.broken_error() or error
-        core.waker.post(_Call(core.finish_batch, batch, error))
+        if on_loop:
+            core.finish_batch(batch, error)
+        else:
+            core.waker.post(_Call(core.finish_batch, batch, error))
 
     def _wait_published(self, dep: Job) -> None:
         core = self._core

@@ -10,6 +10,12 @@
 Guarantees:
 - the event loop never blocks on the device or on a lane: submitting puts a job on a lane's
   queue, and completions come back through one coalesced thread-safe wakeup (``LoopWaker``);
+- a caller-stream job that cannot block (kernel steps only, inputs already on the device,
+  everything it depends on already enqueued, nothing queued ahead of it on its lane) is enqueued
+  by the loop thread itself, sparing the hop to the lane thread; it is running when ``submit``
+  returns, and reaches its stream in submit order all the same;
+- ``await job`` on the scheduler's only pending job polls its event on the loop for up to
+  ``poll_us``, yielding between queries, before falling back to the waiter's wakeup;
 - a method stays on the lane it was first submitted to, so its executes keep one thread's order;
   ``lane=`` moves it explicitly, and the move waits (host side, off the loop) until the method's
   previous job is enqueued, after which the runtime's rule 4 orders it on the device;
@@ -52,11 +58,12 @@ _NEW, _OPEN, _CLOSING, _CLOSED = "new", "open", "closing", "closed"
 
 
 class _MethodState:
-    __slots__ = ("lane", "last")
+    __slots__ = ("kernels_only", "lane", "last")
 
-    def __init__(self, lane: Lane, last: weakref.ref[Job]):
+    def __init__(self, lane: Lane, last: weakref.ref[Job], kernels_only: bool):
         self.lane = lane
         self.last = last
+        self.kernels_only = kernels_only  # no user callable (which could block) among its steps
 
 
 class Scheduler:
@@ -66,26 +73,30 @@ class Scheduler:
     threads. ``queue_size``: the most jobs one lane holds, queued or in flight. ``timing``:
     record timing events around every job (``timeline()``, ``busy_time_s``); turn it off to shave
     two event records per job. ``spin_us``: how long a waiter polls an event before blocking on
-    it. ``timeline_size``: how many recent spans ``timeline()`` keeps.
+    it. ``poll_us``: how long ``await job`` polls the job's event on the event loop (yielding
+    between queries) before waiting for the waiter's wakeup, only while that job is the only
+    one pending; 0 turns it off. ``timeline_size``: how many recent spans ``timeline()`` keeps.
     """
 
     def __init__(self, device: Device | str | None = None, lanes: int = 2, *,
                  queue_size: int = 1024, timing: bool = True, spin_us: float = 0.0,
-                 timeline_size: int = 100_000):
+                 poll_us: float = 50.0, timeline_size: int = 100_000):
         self.device: Device = device if isinstance(device, Device) else get_device(device)
         for name, value, low in (("lanes", lanes, 1), ("queue_size", queue_size, 1),
                                  ("timeline_size", timeline_size, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise InvalidArgument(f"Scheduler: {name} must be an int >= {low}, got {value!r}")
-        if isinstance(spin_us, bool) or not isinstance(spin_us, (int, float)) or not (
-                0 <= spin_us <= 1e6):
-            raise InvalidArgument(f"Scheduler: spin_us must be a number of microseconds in "
-                                  f"[0, 1e6], got {spin_us!r}")
+        for name, value in (("spin_us", spin_us), ("poll_us", poll_us)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                    0 <= value <= 1e6):
+                raise InvalidArgument(f"Scheduler: {name} must be a number of microseconds in "
+                                      f"[0, 1e6], got {value!r}")
         if not isinstance(timing, bool):
             raise InvalidArgument(f"Scheduler: timing must be a bool, got {timing!r}")
         self.queue_size = queue_size
         self.timing = timing
         self.spin_s = spin_us / 1e6
+        self.poll_s = poll_us / 1e6
         self.reference: Event | None = None
         self.lanes: tuple[Lane, ...] = tuple(Lane(self, i, self.device, queue_size)
                                              for i in range(lanes))
@@ -193,7 +204,9 @@ class Scheduler:
         arrays (copied now, so the caller may reuse them), Results, or ``JobOutput``s of
         earlier jobs (``job.outputs[i]``), which are ordered like ``after=``.
 
-        Returns once the job is on its lane's queue, waiting while the lane is full.
+        Returns once the job is on its lane's queue, waiting while the lane is full. A
+        caller-stream job that cannot block (see the module's guarantees) is enqueued on the
+        device before it returns, by the calling (event loop) thread.
 
         **Cancellation**: if cancelled while waiting for room on the lane, nothing was
         submitted. Once it returns, the job is the scheduler's: it will run.
@@ -248,8 +261,11 @@ class Scheduler:
         if previous is not None and previous.lane is not lane and previous not in host_waits:
             host_waits.append(previous)  # one thread at a time drives a method
         job = Job(next(self._ids), method, values, lane, stream, tuple(host_waits), device_waits)
+        inline = stream is not None and (previous is None or previous._is_published) and \
+            self._can_run_inline(job, values, state)
         if state is None:
-            self._methods[method] = _MethodState(lane, weakref.ref(job))
+            kernels_only = all(step.kind == "kernel" for step in method.definition.steps)
+            self._methods[method] = _MethodState(lane, weakref.ref(job), kernels_only)
             lane.methods_bound += 1
         else:
             if state.lane is not lane:
@@ -259,8 +275,25 @@ class Scheduler:
             state.last = weakref.ref(job)
         self._pending.add(job)
         lane.outstanding += 1
-        lane.put(job)
+        if inline:
+            lane.run_inline(job)
+        else:
+            lane.put(job)
         return job
+
+    def _can_run_inline(self, job: Job, values: list[Any], state: _MethodState | None) -> bool:
+        """Whether the loop thread can enqueue a caller-stream job itself, sparing the hop to
+        the lane thread, without ever blocking: only kernel steps (a user callable may wait),
+        inputs already on the device (an upload from host memory may wait), every job it
+        depends on already enqueued (the lane would wait for them), and a lane with nothing
+        queued ahead of it (``Lane.can_run_inline``)."""
+        if state is not None and not state.kernels_only:
+            return False
+        if state is None and any(s.kind != "kernel" for s in job.method.definition.steps):
+            return False
+        return all(isinstance(v, (Result, JobOutput)) for v in values) and \
+            all(dep._is_published for dep in job._device_waits) and \
+            all(dep._is_published for dep in job._host_waits) and job.lane.can_run_inline(job)
 
     def _pick_lane(self, method: Method, lane: int | None) -> Lane:
         if lane is not None:

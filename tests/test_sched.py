@@ -142,7 +142,10 @@ async def test_a_lane_launches_without_releasing_the_gil_only_while_its_queue_is
             scheds.append(sched)  # the lane's first setting comes with the first job
             with device.create_latch() as latch:
                 latch.hold(held)
-                jobs = [await sched.submit(method, [x], stream=held) for _ in range(count)]
+                # A host input keeps every job on the lane thread (the loop enqueues only jobs
+                # whose inputs are on the device: Lane.run_inline).
+                jobs = [await sched.submit(method, [data(0)], stream=held)
+                        for _ in range(count)]
                 await wait_until(lambda: sched.statistics()[0].in_flight == count)
                 latch.release()
             for job in jobs:

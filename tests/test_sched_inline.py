@@ -1,0 +1,204 @@
+"""The scheduler's loop-thread fast paths: a caller-stream job that cannot block is enqueued by
+the event loop thread itself (no hop to the lane thread), and ``await job`` polls a lone job's
+event on the loop before falling back to the waiter's wakeup. Neither may change what a job
+computes, the order jobs reach a stream, or what the lanes count. Every test runs on asyncio,
+uvloop and trio."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import anyio
+import numpy as np
+import pytest
+from sched_helpers import BACKENDS, Gate, data, double_program, spin_program, wait_until
+
+from streamlane.runtime import Method, Program, Result
+from streamlane.runtime.errors import InvalidArgument
+from streamlane.sched import Scheduler
+from streamlane.sched.lane import Lane
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(params=BACKENDS)
+def anyio_backend(request):
+    return request.param
+
+
+@pytest.fixture
+def executing_threads(monkeypatch):
+    """``{method name: [ident of each thread that executed it]}``."""
+    seen: dict[str, list[int]] = {}
+    real = Method.execute
+
+    def execute(self):
+        seen.setdefault(self.name, []).append(threading.get_ident())
+        real(self)
+
+    monkeypatch.setattr(Method, "execute", execute)
+    return seen
+
+
+@pytest.fixture
+def loop_settles(monkeypatch):
+    """How many jobs each ``Lane._settle`` call settled, split by who called it."""
+    counts = {"loop": 0, "lane threads": 0}
+    real = Lane._settle
+
+    def settle(self, batch, error, on_loop=False):
+        fresh = sum(1 for job in batch if not job._claimed)
+        counts["loop" if on_loop else "lane threads"] += fresh
+        real(self, batch, error, on_loop)
+
+    monkeypatch.setattr(Lane, "_settle", settle)
+    return counts
+
+
+def on_device(array: np.ndarray, device) -> Result:
+    result = Result.from_host(array, device)
+    result.to_host()
+    return result
+
+
+async def test_only_a_caller_stream_job_that_cannot_block_is_enqueued_by_the_loop(
+        device, executing_threads):
+    """Device inputs on a caller stream: the loop enqueues it, and the job is running when
+    submit returns. A host input (its upload may wait), no caller stream (the lane's own
+    stream is the lane thread's), or a producer not yet enqueued: the lane thread does it."""
+    names = ("inline", "host_input", "lane_stream", "producer", "consumer")
+    methods = {n: double_program(n).method("forward", device=device) for n in names}
+    stream = device.create_stream()
+    x = on_device(data(0), device)
+    loop = threading.get_ident()
+    with anyio.fail_after(30):
+        async with Scheduler(device, lanes=2) as sched:
+            job = await sched.submit(methods["inline"], [x], stream=stream)
+            assert job.state == "running", "enqueued by the loop before submit returned"
+            outs = {"inline": await job}
+            outs["host_input"] = await sched.run(methods["host_input"], [data(0)], stream=stream)
+            outs["lane_stream"] = await sched.run(methods["lane_stream"], [x])
+            gate = Gate(data(0))
+            producer = await sched.submit(methods["producer"], [gate], lane=0)
+            consumer = await sched.submit(methods["consumer"], [producer.outputs[0]], lane=1,
+                                          stream=stream)
+            assert consumer.state == "queued", "its producer was not enqueued yet"
+            gate.open()
+            outs["consumer"] = await consumer
+    assert executing_threads["inline.forward"] == [loop]
+    for name in ("host_input", "lane_stream", "producer", "consumer"):
+        assert executing_threads[f"{name}.forward"] != [loop], f"{name} ran on the loop thread"
+    np.testing.assert_allclose(outs["inline"][0].to_host(), 2 * data(0), rtol=1e-6)
+    np.testing.assert_allclose(outs["host_input"][0].to_host(), 2 * data(0), rtol=1e-6)
+    np.testing.assert_allclose(outs["lane_stream"][0].to_host(), 2 * data(0), rtol=1e-6)
+    np.testing.assert_allclose(outs["consumer"][0].to_host(), 4 * data(0), rtol=1e-6)
+
+
+async def test_a_method_with_a_callable_step_stays_on_the_lane_thread(host, executing_threads):
+    """A user callable may wait on the host: never on the loop thread."""
+    def triple(stream, ins, outs):
+        outs[0][...] = ins[0] * 3
+
+    b = Program.build("called")
+    m = b.method("forward", x=("float32", [4]))
+    m.call(triple, ["x"], [("y", "float32", [4])])
+    m.output("y")
+    method = b.finish().method("forward", device=host)
+    x = on_device(np.arange(4, dtype=np.float32), host)
+    with anyio.fail_after(30):
+        async with Scheduler(host, lanes=1) as sched:
+            (y,) = await sched.run(method, [x], stream=host.create_stream())
+    assert executing_threads["called.forward"] != [threading.get_ident()]
+    np.testing.assert_array_equal(y.to_host(), np.arange(4) * 3)
+
+
+async def test_jobs_reach_a_caller_stream_in_submit_order(device):
+    """A job the loop could enqueue itself must not overtake one submitted earlier to the same
+    lane that the lane thread has not enqueued yet: both target one stream, whose order is the
+    order they were submitted in."""
+    first, second = (spin_program(2000, n).method("forward", device=device) for n in "ab")
+    stream = device.create_stream()
+    x = on_device(data(0), device)
+    with anyio.fail_after(30):
+        async with Scheduler(device, lanes=1) as sched:
+            await sched.run(second, [x], stream=stream)  # warm, and proves it can go inline
+            sched.clear_timeline()
+            gate = Gate(data(1))
+            a = await sched.submit(first, [gate], stream=stream)  # holds the lane thread
+            await anyio.to_thread.run_sync(gate.entered.wait, 10)
+            b = await sched.submit(second, [x], stream=stream)
+            gate.open()
+            await a
+            await b
+    assert a.span is not None and b.span is not None
+    assert a.span[1] <= b.span[0], f"b {b.span} ran before a {a.span} on one stream"
+
+
+@pytest.mark.parametrize("poll_us", [0.0, 1e6], ids=["no-poll", "poll"])
+async def test_polling_settles_each_job_once(device, loop_settles, poll_us):
+    """A lone job awaited while it runs is settled by the loop when polling is on, never twice
+    (the waiter sees it complete too): the lane's counters and the timeline count it once."""
+    method = double_program().method("forward", device=device)
+    stream = device.create_stream()
+    x = on_device(data(2), device)
+    count = 60
+    with anyio.fail_after(60):
+        async with Scheduler(device, lanes=1, poll_us=poll_us) as sched:
+            for _ in range(count):
+                (y,) = await sched.run(method, [x], stream=stream)
+                np.testing.assert_allclose(y.to_host(), 2 * data(2), rtol=1e-6)
+            await wait_until(lambda: sched.statistics()[0].in_flight == 0)
+            (stats,) = sched.statistics()
+            spans = sched.timeline().spans
+    assert stats.completed == count and stats.queued == 0
+    assert sorted(s.job for s in spans) == sorted({s.job for s in spans}), "a span twice"
+    assert len(spans) == count
+    assert loop_settles["loop"] + loop_settles["lane threads"] == count
+    if poll_us:
+        assert loop_settles["loop"] > 0, "the loop never settled a job it polled"
+    else:
+        assert loop_settles["loop"] == 0
+
+
+async def test_a_poll_yields_to_the_loop_and_cancelling_it_leaves_the_job_running(device):
+    """While ``await job`` polls a held job, other tasks keep running; cancelling that await
+    stops the poll only: the job completes, correct, and is counted once."""
+    method = double_program().method("forward", device=device)
+    held = device.create_stream()
+    x = on_device(data(3), device)
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            await anyio.sleep(0.001)
+            ticks += 1
+
+    with anyio.fail_after(30):
+        async with Scheduler(device, lanes=1, poll_us=1e6) as sched:
+            with device.create_latch() as latch:
+                latch.hold(held)
+                job = await sched.submit(method, [x], stream=held)
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(ticker)
+                    t = time.perf_counter()
+                    with anyio.move_on_after(0.2) as scope:
+                        await job  # polls for up to 1 s: the latch holds the job
+                    tg.cancel_scope.cancel()
+                assert scope.cancelled_caught and not job.done()
+                assert time.perf_counter() - t < 0.6
+                assert ticks >= 20, f"the loop ran the ticker {ticks} times in 0.2 s of polling"
+                latch.release()
+            (y,) = await job
+            np.testing.assert_allclose(y.to_host(), 2 * data(3), rtol=1e-6)
+            await wait_until(lambda: sched.statistics()[0].in_flight == 0)
+            assert sched.statistics()[0].completed == 1
+
+
+async def test_poll_and_spin_budgets_are_validated(device):
+    for bad in (-1, True, "50", 2e6):
+        with pytest.raises(InvalidArgument, match="poll_us must be a number of microseconds"):
+            Scheduler(device, poll_us=bad)
+        with pytest.raises(InvalidArgument, match="spin_us must be a number of microseconds"):
+            Scheduler(device, spin_us=bad)
