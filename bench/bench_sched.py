@@ -110,9 +110,9 @@ def bench_latency(dev: Any, raw: Any, rep: Report, q: bool) -> None:
     caller = dev.create_stream()
 
     async def through_scheduler(timing: bool, spin_us: float, poll_us: float,
-                                stream: Any) -> list[int]:
+                                stream: Any, inline: bool) -> list[int]:
         async with Scheduler(dev, lanes=1, timing=timing, spin_us=spin_us,
-                             poll_us=poll_us) as sched:
+                             poll_us=poll_us, inline=inline) as sched:
             for _ in range(warm):
                 await sched.run(method, [x], stream=stream)
             ns = []
@@ -122,16 +122,20 @@ def bench_latency(dev: Any, raw: Any, rep: Report, q: bool) -> None:
                 ns.append(time.perf_counter_ns() - t)
             return ns
 
-    # (timing events, waiter spin us, loop poll us, caller stream): the lane's own stream (the
-    # lane thread enqueues), then a caller stream (the loop enqueues: inputs are on the device)
-    configs = [(False, 0.0, 50.0, None), (True, 0.0, 50.0, None), (False, 50.0, 50.0, None),
-               (False, 0.0, 50.0, caller), (True, 0.0, 50.0, caller), (False, 0.0, 0.0, caller)]
+    # (timing events, waiter spin us, loop poll us, caller stream, inline): the lane's own
+    # stream (the lane thread enqueues), then a caller stream (the loop enqueues: the inputs are
+    # on the device), without the loop's poll, and with the lane thread enqueuing (inline=False)
+    configs = [(False, 0.0, 50.0, None, True), (True, 0.0, 50.0, None, True),
+               (False, 50.0, 50.0, None, True), (False, 0.0, 50.0, caller, True),
+               (True, 0.0, 50.0, caller, True), (False, 0.0, 0.0, caller, True),
+               (False, 0.0, 50.0, caller, False)]
     for backend in backends_available():
-        for timing, spin, poll, stream in configs:
+        for timing, spin, poll, stream, inline in configs:
             label = f"scheduler {backend}" + (", caller stream" if stream is not None else "") \
                 + (", timing events" if timing else "") + (f", spin {spin:g} us" if spin else "") \
-                + (", no poll" if not poll else "")
-            out[label] = summary(run_on(backend, through_scheduler, timing, spin, poll, stream))
+                + (", no poll" if not poll else "") + (", lane enqueues" if not inline else "")
+            out[label] = summary(run_on(backend, through_scheduler, timing, spin, poll, stream,
+                                        inline))
 
     if raw is not None and importlib.util.find_spec("torch"):
         import torch
@@ -176,14 +180,16 @@ def bench_overlap(dev: Any, raw: Any, rep: Report, q: bool) -> None:
 
     async def scheduled(n: int, mode: str, timing: bool) -> tuple[float, float, float]:
         lanes = n if mode == "lanes" else 1
-        async with Scheduler(dev, lanes=lanes, timing=timing) as sched:
+        on_streams = mode.startswith("streams")
+        async with Scheduler(dev, lanes=lanes, timing=timing,
+                             inline=mode != "streams, lane enqueues") as sched:
             await sched.run(methods[0], [x])  # warm
             walls = []
             for _ in range(reps):
                 sched.clear_timeline()
                 t = time.perf_counter()
                 jobs = [await sched.submit(methods[i], [x], lane=i if mode == "lanes" else 0,
-                                           stream=streams[i] if mode == "streams" else None)
+                                           stream=streams[i] if on_streams else None)
                         for i in range(n)]
                 for job in jobs:
                     await job
@@ -222,6 +228,9 @@ def bench_overlap(dev: Any, raw: Any, rep: Report, q: bool) -> None:
         streams_wall, streams_overlap, streams_spread = run_on("asyncio", scheduled, n, "streams",
                                                                True)
         lanes_wall, lanes_overlap, lanes_spread = run_on("asyncio", scheduled, n, "lanes", True)
+        # The same caller streams with the lane thread enqueuing (Scheduler(inline=False)):
+        via_lane_wall, _, via_lane_spread = run_on("asyncio", scheduled, n,
+                                                  "streams, lane enqueues", True)
         # The same without timing events (Scheduler(timing=False), how to run for speed):
         untimed = {mode: run_on("asyncio", scheduled, n, mode, False)[0]
                    for mode in ("one lane", "streams", "lanes")}
@@ -231,7 +240,8 @@ def bench_overlap(dev: Any, raw: Any, rep: Report, q: bool) -> None:
             serial2, parallel2 = raw_wall(n, False, True), raw_wall(n, True, True)
             row["raw_streams_speedup"] = serial / parallel
             row["raw_same_work_speedup"] = serial2 / parallel2
-        row.update({"streams_speedup": one / streams_wall, "lanes_speedup": one / lanes_wall})
+        row.update({"streams_speedup": one / streams_wall, "lanes_speedup": one / lanes_wall,
+                    "streams_lane_enqueues_speedup": one / via_lane_wall})
         row.update({"streams_speedup_untimed": untimed["one lane"] / untimed["streams"],
                     "lanes_speedup_untimed": untimed["one lane"] / untimed["lanes"]})
         if raw is not None:
@@ -243,6 +253,7 @@ def bench_overlap(dev: Any, raw: Any, rep: Report, q: bool) -> None:
                     "lanes_ms": lanes_wall * 1e3, "one_lane_overlap": one_overlap,
                     # device start of the last job minus the first's: the dispatch stagger
                     "streams_start_spread_us": streams_spread * 1e6,
+                    "streams_lane_enqueues_start_spread_us": via_lane_spread * 1e6,
                     "lanes_start_spread_us": lanes_spread * 1e6})
         if raw is not None:
             row.update({"raw_serial_ms": serial * 1e3, "raw_streams_ms": parallel * 1e3,
@@ -251,7 +262,8 @@ def bench_overlap(dev: Any, raw: Any, rep: Report, q: bool) -> None:
         rows.append(row)
     rep.section(f"(b) overlap of N single-block spins of {spin_us} us (median of {reps})", rows,
                 "speedups over serial (one lane; raw: one stream), with timing events and "
-                "_untimed without (Scheduler(timing=False)); overlap from timing events. "
+                "_untimed without (Scheduler(timing=False)); overlap from timing events; "
+                "streams_lane_enqueues: caller streams with Scheduler(inline=False). "
                 "raw: a spin per stream; raw same work: the program's two kernels (spin, then a "
                 "1-float kernel) per stream. Goals: >= 1.9x at N=2, >= 7x at N=8, within 10% "
                 "of raw streams for every N. CUDA_DEVICE_MAX_CONNECTIONS (hardware queues, "
@@ -268,9 +280,10 @@ def bench_throughput(dev: Any, raw: Any, rep: Report, q: bool) -> None:
 
     streams = [dev.create_stream() for _ in range(lanes)]
 
-    async def storm(timing: bool, n_lanes: int, on_streams: bool) -> tuple[float, list[int]]:
+    async def storm(timing: bool, n_lanes: int, on_streams: bool,
+                    inline: bool) -> tuple[float, list[int]]:
         ns: list[int] = []
-        async with Scheduler(dev, lanes=n_lanes, timing=timing) as sched:
+        async with Scheduler(dev, lanes=n_lanes, timing=timing, inline=inline) as sched:
             for i, m in enumerate(methods):
                 await sched.run(m, [x], lane=i % n_lanes)
 
@@ -292,13 +305,16 @@ def bench_throughput(dev: Any, raw: Any, rep: Report, q: bool) -> None:
     # The configuration (4 lanes) on every loop, then fewer lanes for the same four
     # methods: each driver call hands the GIL to another thread (bench/convoy_probe.py).
     # Last, each method on its own caller stream: the loop thread enqueues (Lane.run_inline).
-    configs = [(b, timing, lanes, False) for b in backends_available() for timing in (False, True)]
-    configs += [("asyncio", False, n, False) for n in (1, 2)]
-    configs += [(b, False, lanes, True) for b in backends_available()]
-    for backend, timing, n_lanes, on_streams in configs:
-        wall, ns = run_on(backend, storm, timing, n_lanes, on_streams)
+    # inline=False: the same caller streams, enqueued by the lane threads.
+    configs = [(b, timing, lanes, False, True) for b in backends_available()
+               for timing in (False, True)]
+    configs += [("asyncio", False, n, False, True) for n in (1, 2)]
+    configs += [(b, False, lanes, True, True) for b in backends_available()]
+    configs += [("asyncio", False, lanes, True, False)]
+    for backend, timing, n_lanes, on_streams, inline in configs:
+        wall, ns = run_on(backend, storm, timing, n_lanes, on_streams, inline)
         rows.append({"loop": backend, "lanes": n_lanes, "timing_events": timing,
-                     "caller_streams": on_streams,
+                     "caller_streams": on_streams, "inline": inline,
                      "programs_per_s": tasks * per_task / wall, "wall_s": wall, **summary(ns)})
     rep.section(f"(c) throughput: {tasks} tasks x {per_task} tiny programs, {lanes} methods",
                 rows, "goal (4 lanes): >= 50,000 programs/s; latency per await of sched.run")

@@ -102,6 +102,7 @@ class Job:
         "_host_waits",
         "_inputs",
         "_is_published",
+        "_poll_until",
         "_publish_event",
         "_retrieved",
         "_start_event",
@@ -134,6 +135,7 @@ class Job:
         self._stream_key: Any = None
         self._enqueue_error: BaseException | None = None
         self._claimed = False  # settled by a thread of its lane (or the loop: Lane.poll)
+        self._poll_until = 0.0  # perf_counter until which the waiter leaves it to the loop
         self._is_published = False
         self._publish_event: threading.Event | None = None  # made only if someone must wait
         # Read by the lane, dropped once enqueued, so a long chain of after= jobs does not keep

@@ -148,6 +148,9 @@ class Lane:
         previous = device.hold_gil(True)
         try:
             if self._execute(job, None):
+                core = self._core
+                if core.poll_s > 0 and core.pending == 1:  # ``await job`` will poll it (poll)
+                    job._poll_until = time.perf_counter() + core.poll_s
                 self._hand(job)
         finally:
             device.hold_gil(previous)
@@ -430,6 +433,14 @@ class Lane:
     def _wait(self, job: Job) -> None:
         event = job.event
         assert event is not None
+        if job._poll_until:
+            # The loop is (or is about to be) polling this job: racing it for the GIL the
+            # moment the event completes would put a thread hop back on the await's path.
+            delay = job._poll_until - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            if job._claimed:
+                return
         spin_s = self._core.spin_s
         if spin_s > 0:  # a short spin lowers latency where the wake-up of a blocked wait is slow
             deadline = time.perf_counter() + spin_s

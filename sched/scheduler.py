@@ -75,12 +75,15 @@ class Scheduler:
     two event records per job. ``spin_us``: how long a waiter polls an event before blocking on
     it. ``poll_us``: how long ``await job`` polls the job's event on the event loop (yielding
     between queries) before waiting for the waiter's wakeup, only while that job is the only
-    one pending; 0 turns it off. ``timeline_size``: how many recent spans ``timeline()`` keeps.
+    one pending; 0 turns it off. ``inline``: let the event loop thread enqueue a caller-stream
+    job that cannot block itself instead of handing it to the lane thread (see ``submit``);
+    False keeps every driver call off the loop thread. ``timeline_size``: how many recent spans
+    ``timeline()`` keeps.
     """
 
     def __init__(self, device: Device | str | None = None, lanes: int = 2, *,
                  queue_size: int = 1024, timing: bool = True, spin_us: float = 0.0,
-                 poll_us: float = 50.0, timeline_size: int = 100_000):
+                 poll_us: float = 50.0, inline: bool = True, timeline_size: int = 100_000):
         self.device: Device = device if isinstance(device, Device) else get_device(device)
         for name, value, low in (("lanes", lanes, 1), ("queue_size", queue_size, 1),
                                  ("timeline_size", timeline_size, 0)):
@@ -91,10 +94,12 @@ class Scheduler:
                     0 <= value <= 1e6):
                 raise InvalidArgument(f"Scheduler: {name} must be a number of microseconds in "
                                       f"[0, 1e6], got {value!r}")
-        if not isinstance(timing, bool):
-            raise InvalidArgument(f"Scheduler: timing must be a bool, got {timing!r}")
+        for name, flag in (("timing", timing), ("inline", inline)):
+            if not isinstance(flag, bool):
+                raise InvalidArgument(f"Scheduler: {name} must be a bool, got {flag!r}")
         self.queue_size = queue_size
         self.timing = timing
+        self.inline = inline
         self.spin_s = spin_us / 1e6
         self.poll_s = poll_us / 1e6
         self.reference: Event | None = None
@@ -206,7 +211,8 @@ class Scheduler:
 
         Returns once the job is on its lane's queue, waiting while the lane is full. A
         caller-stream job that cannot block (see the module's guarantees) is enqueued on the
-        device before it returns, by the calling (event loop) thread.
+        device before it returns, by the calling (event loop) thread, unless the scheduler was
+        made with ``inline=False``.
 
         **Cancellation**: if cancelled while waiting for room on the lane, nothing was
         submitted. Once it returns, the job is the scheduler's: it will run.
@@ -261,7 +267,8 @@ class Scheduler:
         if previous is not None and previous.lane is not lane and previous not in host_waits:
             host_waits.append(previous)  # one thread at a time drives a method
         job = Job(next(self._ids), method, values, lane, stream, tuple(host_waits), device_waits)
-        inline = stream is not None and (previous is None or previous._is_published) and \
+        inline = self.inline and stream is not None and \
+            (previous is None or previous._is_published) and \
             self._can_run_inline(job, values, state)
         if state is None:
             kernels_only = all(step.kind == "kernel" for step in method.definition.steps)
