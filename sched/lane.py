@@ -130,18 +130,13 @@ class Lane:
             self._queued += 1
         self._jobs.put(job)
 
-    def can_run_inline(self, job: Job) -> bool:
-        """Whether the loop thread may enqueue ``job`` itself (``run_inline``): the lane
-        thread has nothing queued, so nothing submitted earlier to this lane can land on the
-        device after it, and the lane's work in flight is short enough that a launch cannot
-        block on a full stream queue (``HOLD_GIL_BELOW``). The scheduler checks the rest."""
-        return self._queued == 0 and self._queued_calls + _calls(job) < HOLD_GIL_BELOW
-
     def run_inline(self, job: Job) -> None:
         """Enqueue ``job`` from the loop thread, then give it to the waiter (no lane hop).
 
-        Only for what cannot block: kernel steps on a caller stream, inputs already on the
-        device, dependencies already enqueued (``Scheduler._enqueue`` decides)."""
+        Only for a lone job that cannot block: nothing else pending (so nothing is queued
+        ahead of it, its dependencies are done, and no stream queue is full of our work),
+        kernel steps on a caller stream, inputs already on the device
+        (``Scheduler._can_run_inline`` decides)."""
         with self._lock:
             self._queued += 1
         device = self.device
@@ -149,7 +144,7 @@ class Lane:
         try:
             if self._execute(job, None):
                 core = self._core
-                if core.poll_s > 0 and core.pending == 1:  # ``await job`` will poll it (poll)
+                if core.poll_s > 0:  # a lone job: ``await job`` will poll it (``poll``)
                     job._poll_until = time.perf_counter() + core.poll_s
                 self._hand(job)
         finally:

@@ -1,5 +1,5 @@
-"""The scheduler's loop-thread fast paths: a caller-stream job that cannot block is enqueued by
-the event loop thread itself (no hop to the lane thread), and ``await job`` polls a lone job's
+"""The scheduler's loop-thread fast paths: a lone caller-stream job that cannot block is enqueued
+by the event loop thread itself (no hop to the lane thread), and ``await job`` polls a lone job's
 event on the loop before falling back to the waiter's wakeup. Neither may change what a job
 computes, the order jobs reach a stream, or what the lanes count. Every test runs on asyncio,
 uvloop and trio."""
@@ -64,9 +64,10 @@ def on_device(array: np.ndarray, device) -> Result:
 
 async def test_only_a_caller_stream_job_that_cannot_block_is_enqueued_by_the_loop(
         device, executing_threads):
-    """Device inputs on a caller stream: the loop enqueues it, and the job is running when
-    submit returns. A host input (its upload may wait), no caller stream (the lane's own
-    stream is the lane thread's), or a producer not yet enqueued: the lane thread does it."""
+    """A lone job, device inputs, a caller stream: the loop enqueues it, and the job is running
+    when submit returns. A host input (its upload may wait), no caller stream (the lane's own
+    stream is the lane thread's), or another job pending (here its producer, not yet
+    enqueued): the lane thread does it."""
     names = ("inline", "host_input", "lane_stream", "producer", "consumer")
     methods = {n: double_program(n).method("forward", device=device) for n in names}
     stream = device.create_stream()
