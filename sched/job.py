@@ -102,7 +102,7 @@ class Job:
         "_host_waits",
         "_inputs",
         "_is_published",
-        "_poll_until",
+        "_loop_owned",
         "_publish_event",
         "_retrieved",
         "_start_event",
@@ -135,7 +135,7 @@ class Job:
         self._stream_key: Any = None
         self._enqueue_error: BaseException | None = None
         self._claimed = False  # settled by a thread of its lane (or the loop: Lane.poll)
-        self._poll_until = 0.0  # perf_counter until which the waiter leaves it to the loop
+        self._loop_owned = False  # kept by the loop for its poll, not yet given to the waiter
         self._is_published = False
         self._publish_event: threading.Event | None = None  # made only if someone must wait
         # Read by the lane, dropped once enqueued, so a long chain of after= jobs does not keep
@@ -164,16 +164,22 @@ class Job:
     def state(self) -> str:
         """``queued`` (waiting for its lane), ``running`` (enqueued on the device), ``done``,
         ``failed`` or ``cancelled`` (never ran: the scheduler left on an error)."""
+        if self._loop_owned:
+            self._observe()
         if self._finished:
             return self._state
         return RUNNING if self._is_published and self._enqueue_error is None else QUEUED
 
     def done(self) -> bool:
         """True once the job has finished, whatever the outcome (never blocks)."""
+        if self._loop_owned:
+            self._observe()
         return self._finished
 
     def exception(self) -> BaseException | None:
         """The error of a finished job, or None (raises ``InvalidState`` while it runs)."""
+        if self._loop_owned:
+            self._observe()
         if not self._finished:
             raise InvalidState(f"{self!r} has not finished; await it first")
         self._retrieved = True
@@ -195,7 +201,7 @@ class Job:
             await checkpoint()
         else:
             if self._is_published and self._enqueue_error is None:  # in flight: a short poll
-                # may beat the waiter's wakeup
+                # may beat the waiter's wakeup (and gives a job the loop kept to the waiter)
                 await self.lane.poll(self)
             if not self._finished:
                 await self._done.wait()
@@ -207,6 +213,14 @@ class Job:
 
     def __await__(self) -> Generator[Any, None, list[Result]]:
         return self.wait().__await__()
+
+    def _observe(self) -> None:
+        """A job the loop kept for its poll is being looked at without ``await``: settle it if
+        it has completed, else let the waiter finish it in the background (loop thread only:
+        elsewhere, e.g. a repr in a lane thread's message, it is left alone)."""
+        lane = self.lane
+        if threading.get_ident() == lane._core.waker.loop_thread:
+            lane.release(self)
 
     # -- lane side ------------------------------------------------------------------------
     def _published(self, timeout: float | None) -> bool:

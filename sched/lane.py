@@ -81,8 +81,7 @@ class _Core(Protocol):
 
     @property
     def cancelling(self) -> bool: ...
-    @property
-    def pending(self) -> int: ...
+    def count_pending(self) -> int: ...
     def broken_error(self) -> BaseException | None: ...
     def break_(self, error: BaseException, job: Job) -> None: ...
     def finish(self, job: Job, state: str, error: BaseException | None) -> None: ...
@@ -143,10 +142,14 @@ class Lane:
         previous = device.hold_gil(True)
         try:
             if self._execute(job, None):
-                core = self._core
-                if core.poll_s > 0:  # a lone job: ``await job`` will poll it (``poll``)
-                    job._poll_until = time.perf_counter() + core.poll_s
-                self._hand(job)
+                if self._core.poll_s > 0:
+                    # A lone job: the loop keeps it for ``await job`` to poll. Handing it to the
+                    # waiter too would race the poll for the GIL the moment the event completes
+                    # and put the thread hop back on the await's path. ``release`` hands it
+                    # over once the poll gives up or anything else needs it settled.
+                    job._loop_owned = True
+                else:
+                    self._hand(job)
         finally:
             device.hold_gil(previous)
 
@@ -154,15 +157,27 @@ class Lane:
         """Loop thread, ``await job``: while ``job`` is the scheduler's only pending job, poll
         its event for up to ``poll_us``, yielding to the loop between queries, and settle it
         here the moment it completes; the waiter's wakeup (a thread hop) would come later.
-        Returns when the job has finished or the budget is spent."""
+        Returns when the job has finished, or has been given to the waiter (the budget is
+        spent, or the await was cancelled)."""
         core = self._core
-        if core.poll_s <= 0 or core.pending > 1:
-            return
-        deadline = time.perf_counter() + core.poll_s
-        while not job._finished and not self._complete_on_loop(job):
-            if time.perf_counter() >= deadline:
+        try:
+            if core.poll_s <= 0 or core.count_pending() > 1:
                 return
-            await checkpoint()
+            deadline = time.perf_counter() + core.poll_s
+            while not job._finished and not self._complete_on_loop(job):
+                if time.perf_counter() >= deadline:
+                    return
+                await checkpoint()
+        finally:
+            if job._loop_owned:
+                self.release(job)
+
+    def release(self, job: Job) -> None:
+        """Loop thread: settle a job the loop kept for its poll (``run_inline``) if it has
+        completed, else give it to the waiter; from then on it completes in the background."""
+        job._loop_owned = False
+        if not self._complete_on_loop(job) and not job._claimed:
+            self._hand(job)
 
     def _complete_on_loop(self, job: Job) -> bool:
         event = job.event
@@ -428,14 +443,6 @@ class Lane:
     def _wait(self, job: Job) -> None:
         event = job.event
         assert event is not None
-        if job._poll_until:
-            # The loop is (or is about to be) polling this job: racing it for the GIL the
-            # moment the event completes would put a thread hop back on the await's path.
-            delay = job._poll_until - time.perf_counter()
-            if delay > 0:
-                time.sleep(delay)
-            if job._claimed:
-                return
         spin_s = self._core.spin_s
         if spin_s > 0:  # a short spin lowers latency where the wake-up of a blocked wait is slow
             deadline = time.perf_counter() + spin_s

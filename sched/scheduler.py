@@ -110,6 +110,7 @@ class Scheduler:
         self._broken: SchedulerBroken | None = None
         self._broken_lock = threading.Lock()
         self._pending: set[Job] = set()
+        self._loop_job: Job | None = None  # a lone job the loop kept for its poll (Lane.poll)
         self._unobserved: list[Job] = []  # failed jobs whose error nobody may have seen
         self._methods: weakref.WeakKeyDictionary[Method, _MethodState] = \
             weakref.WeakKeyDictionary()
@@ -173,6 +174,7 @@ class Scheduler:
             self._state = _CLOSED
             return
         self._state = _CLOSING
+        self._release_loop_job()
         with anyio.CancelScope(shield=True):
             if error:
                 self._cancelling = True
@@ -232,6 +234,7 @@ class Scheduler:
         after_jobs = check_jobs(after, self.device)
         if stream is not None:
             self._check_stream(stream)
+        self._release_loop_job()  # a lone job stops being lone: the waiter takes it over
         target = self._pick_lane(method, lane)
         assert target.slots is not None
         try:
@@ -282,6 +285,8 @@ class Scheduler:
         lane.outstanding += 1
         if inline:
             lane.run_inline(job)
+            if job._loop_owned:
+                self._loop_job = job
         else:
             lane.put(job)
         return job
@@ -346,7 +351,20 @@ class Scheduler:
         if self._state != _OPEN:
             raise SchedulerClosed(f"{self!r} is closed; no new work is accepted")
 
+    def _release_loop_job(self) -> None:
+        """Hand the lone job the loop kept for its poll over to the waiter (loop thread only;
+        ``statistics()`` from another thread leaves it alone)."""
+        job = self._loop_job
+        if job is None or threading.get_ident() != self.waker.loop_thread:
+            return
+        self._loop_job = None
+        if job._loop_owned:
+            job.lane.release(job)
+
     # -- called by lanes ----------------------------------------------------------------------
+    def count_pending(self) -> int:
+        return len(self._pending)
+
     @property
     def cancelling(self) -> bool:
         return self._cancelling
@@ -411,14 +429,17 @@ class Scheduler:
     @property
     def pending(self) -> int:
         """Jobs submitted and not yet finished."""
+        self._release_loop_job()
         return len(self._pending)
 
     def statistics(self) -> tuple[LaneStatistics, ...]:
         """A frozen snapshot of every lane's counters."""
+        self._release_loop_job()
         return tuple(lane.statistics() for lane in self.lanes)
 
     def timeline(self) -> Timeline:
         """The device spans of the recent jobs (up to ``timeline_size``), as a ``Timeline``."""
+        self._release_loop_job()
         return Timeline(list(self._spans), self.device.name)
 
     def clear_timeline(self) -> None:

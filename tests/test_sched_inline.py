@@ -209,6 +209,29 @@ async def test_a_poll_yields_to_the_loop_and_cancelling_it_leaves_the_job_runnin
             assert sched.statistics()[0].completed == 1
 
 
+async def test_a_lone_job_nobody_awaits_still_finishes(device):
+    """The loop keeps a lone caller-stream job for ``await job`` to poll; a job nobody awaits
+    must finish all the same: when looked at, when the next job is submitted (here into a
+    full lane, which would otherwise wait forever for its slot), and when the scheduler
+    closes."""
+    method = double_program().method("forward", device=device)
+    stream = device.create_stream()
+    x = on_device(data(4), device)
+    with anyio.fail_after(30):
+        async with Scheduler(device, lanes=1, queue_size=1) as sched:
+            first = await sched.submit(method, [x], stream=stream)
+            second = await sched.submit(method, [x], stream=stream)  # waits for first's slot
+            await wait_until(second.done)
+            assert first.done() and first.exception() is None
+            third = await sched.submit(method, [x], stream=stream)
+            await wait_until(third.done)  # looked at, never awaited
+            last = await sched.submit(method, [x], stream=stream)
+        assert last.done() and last.exception() is None, "closing left the lone job pending"
+        assert sched.statistics()[0].completed == 4 and sched.statistics()[0].in_flight == 0
+    (y,) = await last
+    np.testing.assert_allclose(y.to_host(), 2 * data(4), rtol=1e-6)
+
+
 async def test_poll_spin_and_inline_settings_are_validated(device):
     for bad in (-1, True, "50", 2e6):
         with pytest.raises(InvalidArgument, match="poll_us must be a number of microseconds"):
