@@ -108,6 +108,7 @@ class Job:
         "_start_event",
         "_state",
         "_stream_key",
+        "_track_handle",
         "event",
         "id",
         "lane",
@@ -116,7 +117,6 @@ class Job:
         "results",
         "span",
         "stream",
-        "track",
     )
 
     def __init__(self, id: int, method: Method, inputs: list[Any], lane: Lane, stream: Any,
@@ -130,7 +130,7 @@ class Job:
         self.event: Event | None = None
         self.results: list[Result] | None = None
         self.span: tuple[float, float] | None = None  # device start/end, s after the reference
-        self.track: str | None = None  # the timeline row: "lane 0", "lane 0 stream 0x10"
+        self._track_handle: int | None = None  # the caller stream's handle, once enqueued
         self._start_event: Event | None = None  # timing=True: the lane's to reuse once read
         self._stream_key: Any = None
         self._enqueue_error: BaseException | None = None
@@ -144,13 +144,23 @@ class Job:
         self._host_waits = host_waits
         self._device_waits = device_waits
         # Loop side:
-        self._done = anyio.Event()
+        self._done: anyio.Event | None = None  # made only if someone waits before the end
         self._finished = False
         self._state = QUEUED
         self._error: BaseException | None = None
         self._retrieved = False
 
     # -- public state ---------------------------------------------------------------------
+    @property
+    def track(self) -> str | None:
+        """The job's timeline row once enqueued: ``"lane 0"``, or ``"lane 0 stream 0x10"``
+        under a caller stream (None before)."""
+        if not self._is_published or self._enqueue_error is not None:
+            return None
+        if self._track_handle is None:
+            return f"lane {self.lane.index}"
+        return f"lane {self.lane.index} stream {self._track_handle:#x}"
+
     @property
     def outputs(self) -> JobOutputs:
         """The job's outputs as ``JobOutput``s, usable as inputs of later submits right away.
@@ -204,7 +214,7 @@ class Job:
                 # may beat the waiter's wakeup (and gives a job the loop kept to the waiter)
                 await self.lane.poll(self)
             if not self._finished:
-                await self._done.wait()
+                await self._wait_done()
         self._retrieved = True
         if self._error is not None:
             raise self._error
@@ -258,8 +268,15 @@ class Job:
         if state != DONE:
             self.results = None  # a failed job's outputs are garbage: let their buffers go
         self._start_event = None
-        self._done.set()
+        if self._done is not None:
+            self._done.set()
         return True
+
+    async def _wait_done(self) -> None:
+        """Wait until the job is settled (loop thread; without the poll's fast path)."""
+        if self._done is None:
+            self._done = anyio.Event()
+        await self._done.wait()
 
     def __repr__(self) -> str:
         where = f"lane={self.lane.index}"

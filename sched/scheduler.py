@@ -179,7 +179,7 @@ class Scheduler:
             if error:
                 self._cancelling = True
             while self._pending:
-                await next(iter(self._pending))._done.wait()
+                await next(iter(self._pending))._wait_done()
             for lane in self.lanes:
                 lane.stop()
             for lane in self.lanes:
