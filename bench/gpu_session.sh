@@ -13,6 +13,7 @@ mkdir -p "$out"
 fault=tests/test_sched_failure.py::test_a_faulting_kernel_on_the_gpu_breaks_the_scheduler_without_a_hang
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv > "$out/gpu.txt"
 [[ $skip == *" tests "* ]] || {
+  echo "commit: ${STREAMLANE_COMMIT:-unknown (set STREAMLANE_COMMIT)}, $(date -u +%FT%TZ)"
   timeout -k 5 200 python3 -m pytest -m cuda -q -p no:cacheprovider -rfEs --timeout 60 \
       --timeout-method=thread --deselect "$fault"
   echo "== the GPU-fault test"
