@@ -5,9 +5,11 @@ stream (``current_stream`` with no caller stream), or under ``CallerStream(job.s
 job runs it waits, on the host and off the event loop, until every job it depends on has been
 *enqueued* (not completed) and then makes its stream wait for their events on the device.
 
-The *loop thread* may do a lane thread's part itself for a caller-stream job that cannot block
-(``run_inline``; ``Scheduler._can_run_inline`` says when), and may settle a job it sees complete
-while ``await job`` polls (``poll``); a job is settled once, by whichever thread claims it first.
+The *loop thread* may do both threads' parts itself for a lone caller-stream job that cannot
+block (``run_inline``; ``Scheduler._can_run_inline`` says when): it enqueues the job, and
+``await job`` polls its event (``poll``) before giving it to the waiter (``release``). It may
+also settle any job it sees complete while it polls; a job is settled once, by whichever thread
+claims it first.
 
 The *waiter thread* waits for the lane's jobs to complete, in order, with the GIL released
 (``Event.synchronize``), then hands every job it finds complete to the loop in one wakeup. Jobs
@@ -130,7 +132,7 @@ class Lane:
         self._jobs.put(job)
 
     def run_inline(self, job: Job) -> None:
-        """Enqueue ``job`` from the loop thread, then give it to the waiter (no lane hop).
+        """Enqueue ``job`` from the loop thread (no lane hop) and keep it for ``poll``.
 
         Only for a lone job that cannot block: nothing else pending (so nothing is queued
         ahead of it, its dependencies are done, and no stream queue is full of our work),

@@ -269,10 +269,11 @@ class Scheduler:
         if previous is not None and previous.lane is not lane and previous not in host_waits:
             host_waits.append(previous)  # one thread at a time drives a method
         job = Job(next(self._ids), method, values, lane, stream, tuple(host_waits), device_waits)
+        kernels_only = state.kernels_only if state is not None else \
+            all(step.kind == "kernel" for step in method.definition.steps)
         inline = self.inline and stream is not None and not self._pending and \
-            self._can_run_inline(job, values, state)
+            self._can_run_inline(values, kernels_only)
         if state is None:
-            kernels_only = all(step.kind == "kernel" for step in method.definition.steps)
             self._methods[method] = _MethodState(lane, weakref.ref(job), kernels_only)
             lane.methods_bound += 1
         else:
@@ -291,7 +292,8 @@ class Scheduler:
             lane.put(job)
         return job
 
-    def _can_run_inline(self, job: Job, values: list[Any], state: _MethodState | None) -> bool:
+    @staticmethod
+    def _can_run_inline(values: list[Any], kernels_only: bool) -> bool:
         """Whether the loop thread can enqueue a lone caller-stream job itself, sparing the hop
         to the lane thread, without ever blocking: only kernel steps (a user callable may
         wait) and inputs already on the device (an upload from host memory may wait). The
@@ -301,12 +303,7 @@ class Scheduler:
         Only lone jobs: for a burst the lane thread enqueuing while the loop submits the next
         job spreads the burst's device starts less than the loop doing both (H200 figures in
         bench/NOTES.md)."""
-        if state is not None:
-            if not state.kernels_only:
-                return False
-        elif any(step.kind != "kernel" for step in job.method.definition.steps):
-            return False
-        return all(isinstance(v, (Result, JobOutput)) for v in values)
+        return kernels_only and all(isinstance(v, (Result, JobOutput)) for v in values)
 
     def _pick_lane(self, method: Method, lane: int | None) -> Lane:
         if lane is not None:
