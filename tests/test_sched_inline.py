@@ -96,6 +96,37 @@ async def test_only_a_caller_stream_job_that_cannot_block_is_enqueued_by_the_loo
     np.testing.assert_allclose(outs["consumer"][0].to_host(), 4 * data(0), rtol=1e-6)
 
 
+class _Foreign:
+    """A stream from another library: only ``__cuda_stream__``."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    def __cuda_stream__(self):
+        return (0, self.handle)
+
+
+async def test_a_lone_job_on_a_foreign_stream_is_ordered_on_that_stream(device,
+                                                                         executing_threads):
+    """The loop enqueues onto a foreign ``__cuda_stream__`` object too, in that stream's
+    order: a latch held on the stream holds the job, which completes once it is released."""
+    method = double_program().method("forward", device=device)
+    owner = device.create_stream()
+    x = on_device(data(5), device)
+    with anyio.fail_after(30):
+        async with Scheduler(device, lanes=1, poll_us=1000) as sched:
+            with device.create_latch() as latch:
+                latch.hold(owner)
+                job = await sched.submit(method, [x], stream=_Foreign(owner.handle))
+                await anyio.sleep(0.05)
+                assert not job.done(), "the job ran ahead of the latch on its stream"
+                latch.release()
+            (y,) = await job
+    assert executing_threads["double.forward"] == [threading.get_ident()]
+    assert job.track == f"lane 0 stream {owner.handle:#x}"
+    np.testing.assert_allclose(y.to_host(), 2 * data(5), rtol=1e-6)
+
+
 async def test_inline_false_keeps_every_job_on_the_lane_thread(device, executing_threads):
     method = double_program().method("forward", device=device)
     x = on_device(data(0), device)
