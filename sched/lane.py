@@ -148,7 +148,8 @@ class Lane:
                 # A lone job: the loop keeps it for ``await job`` to poll. Handing it to the
                 # waiter too would race the poll for the GIL the moment the event completes and
                 # put the thread hop back on the await's path. ``release`` hands it over once
-                # the poll gives up or anything else needs it settled.
+                # the poll gives up or anything else needs it settled
+                # (``Scheduler._settle_loop_job``, ``_release_loop_job``).
                 job._loop_owned = True
             else:
                 self._hand(job)
@@ -178,6 +179,13 @@ class Lane:
         job._loop_owned = False
         if not self._complete_on_loop(job) and not job._claimed:
             self._hand(job)
+
+    def settle_if_complete(self, job: Job) -> bool:
+        """Loop thread: settle a job the loop kept for its poll if it has completed."""
+        if self._complete_on_loop(job):
+            job._loop_owned = False
+            return True
+        return False
 
     def _complete_on_loop(self, job: Job) -> bool:
         event = job.event

@@ -242,8 +242,8 @@ async def test_a_poll_yields_to_the_loop_and_cancelling_it_leaves_the_job_runnin
 
 async def test_a_lone_job_nobody_awaits_still_finishes(device):
     """The loop keeps a lone caller-stream job for ``await job`` to poll; a job nobody awaits
-    must finish all the same: when looked at, when the next job is submitted (here into a
-    full lane, which would otherwise wait forever for its slot), and when the scheduler
+    must finish all the same: when looked at, when the next job needs its slot (here a full
+    lane, where the next submit would otherwise wait forever), and when the scheduler
     closes."""
     method = double_program().method("forward", device=device)
     stream = device.create_stream()
@@ -261,6 +261,24 @@ async def test_a_lone_job_nobody_awaits_still_finishes(device):
         assert sched.statistics()[0].completed == 4 and sched.statistics()[0].in_flight == 0
     (y,) = await last
     np.testing.assert_allclose(y.to_host(), 2 * data(4), rtol=1e-6)
+
+
+async def test_a_submit_settles_a_completed_lone_job_and_is_lone_in_turn(device,
+                                                                         executing_threads):
+    """Many tasks awaiting small jobs on caller streams relay through the lone-job path: a
+    submit that finds the loop's lone job complete settles it, so the new job is lone too."""
+    method = double_program().method("forward", device=device)
+    stream = device.create_stream()
+    x = on_device(data(6), device)
+    with anyio.fail_after(30):
+        async with Scheduler(device, lanes=1) as sched:
+            first = await sched.submit(method, [x], stream=stream)
+            await wait_until(first.event.query)  # done on the device; nobody looked at the job
+            second = await sched.submit(method, [x], stream=stream)
+            assert first._finished, "the submit did not settle the completed lone job"
+            (y,) = await second
+    assert executing_threads["double.forward"] == [threading.get_ident()] * 2
+    np.testing.assert_allclose(y.to_host(), 2 * data(6), rtol=1e-6)
 
 
 async def test_poll_spin_and_inline_settings_are_validated(device):
