@@ -405,10 +405,12 @@ class CudaDevice(Device):
         self._short = _short_calls()
         self._spare_events: dict[bool, list[Any]] = {True: [], False: []}  # by timing
 
-    def hold_gil(self, enabled: bool) -> None:
+    def hold_gil(self, enabled: bool) -> bool:
         """See ``Device.hold_gil``: on CUDA, the ``_ShortCalls`` from this thread keep the GIL
         while ``enabled`` (a no-op where libcuda could not be loaded through ctypes)."""
+        previous = _bound.hold_gil
         _bound.hold_gil = bool(enabled) and self._short is not None
+        return previous
 
     def _attribute(self, which: Any) -> int:
         return int(check(_driver.cuDeviceGetAttribute(which, self._cu_device)))

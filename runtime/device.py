@@ -136,16 +136,17 @@ class Device(ABC):
         injected faults are recoverable (``reset_error``), so it is never lost."""
         return False
 
-    def hold_gil(self, enabled: bool) -> None:
+    def hold_gil(self, enabled: bool) -> bool:
         """For the calling thread: make the short driver calls (kernel launch, event record,
         query and elapsed time, stream wait) without releasing the GIL, as torch and CuPy do.
         Other Python threads then cannot take the GIL in the middle of a launch, which costs a
         thread that launches often the wait to get it back (the scheduler's lanes turn it on).
         A launch or record blocks while its stream's queue is full (about a thousand pending
         launches): with the GIL held that would stall every Python thread, so turn it on only
-        while the thread's queued work is bounded. Host waits always release the GIL. A no-op
-        on the host device."""
-        return None
+        while the thread's queued work is bounded. Host waits always release the GIL. Returns
+        the thread's previous setting, to restore it. A no-op on the host device (returns
+        False)."""
+        return False
 
     def create_event(self, *, timing: bool = False) -> Event:
         return Event(self, self._new_event(timing), timing)

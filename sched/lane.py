@@ -181,11 +181,18 @@ class Lane:
             self._hand(job)
 
     def settle_if_complete(self, job: Job) -> bool:
-        """Loop thread: settle a job the loop kept for its poll if it has completed."""
-        if self._complete_on_loop(job):
+        """Loop thread, at a later submit: settle a job the loop kept for its poll if it has
+        completed. The query keeps the GIL (``Device.hold_gil``): a lane thread woken by this
+        burst's earlier submits would take it at a release and run a whole job before giving
+        it back, once per submit."""
+        previous = self.device.hold_gil(True)
+        try:
+            done = self._complete_on_loop(job)
+        finally:
+            self.device.hold_gil(previous)
+        if done:
             job._loop_owned = False
-            return True
-        return False
+        return done
 
     def _complete_on_loop(self, job: Job) -> bool:
         event = job.event
