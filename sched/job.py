@@ -103,7 +103,6 @@ class Job:
         "_inputs",
         "_is_published",
         "_loop_owned",
-        "_polled",
         "_publish_event",
         "_retrieved",
         "_start_event",
@@ -137,7 +136,6 @@ class Job:
         self._enqueue_error: BaseException | None = None
         self._claimed = False  # settled by a thread of its lane (or the loop: Lane.poll)
         self._loop_owned = False  # kept by the loop for its poll, not yet given to the waiter
-        self._polled = False  # the loop polls it: its lane keeps it (Lane._keep_for_poll)
         self._is_published = False
         self._publish_event: threading.Event | None = None  # made only if someone must wait
         # Read by the lane, dropped once enqueued, so a long chain of after= jobs does not keep
@@ -212,8 +210,8 @@ class Job:
         if self._finished:
             await checkpoint()
         else:
-            if self._enqueue_error is None:  # a short poll may beat the waiter's wakeup (and
-                # gives a job the loop kept to the waiter)
+            if self._is_published and self._enqueue_error is None:  # in flight: a short poll
+                # may beat the waiter's wakeup (and gives a job the loop kept to the waiter)
                 await self.lane.poll(self)
             if not self._finished:
                 await self._wait_done()

@@ -156,47 +156,22 @@ class Lane:
 
     async def poll(self, job: Job) -> None:
         """Loop thread, ``await job``: while ``job`` is the scheduler's only pending job, poll
-        it, yielding to the loop between looks: first, for up to ``poll_us``, until the lane
-        thread has enqueued it (which then keeps it for this poll instead of giving it to the
-        waiter), then its event for up to ``poll_us``, and settle it here the moment it
-        completes; the waiter's wakeup (a thread hop) would come later. Returns when the job
-        has finished, or has been given to the waiter (a budget is spent, or the await was
-        cancelled)."""
+        its event for up to ``poll_us``, yielding to the loop between queries, and settle it
+        here the moment it completes; the waiter's wakeup (a thread hop) would come later.
+        Returns when the job has finished, or has been given to the waiter (the budget is
+        spent, or the await was cancelled)."""
         core = self._core
-        polled = False
         try:
             if core.poll_s <= 0 or core.count_pending() > 1:
                 return
-            if not job._is_published:
-                with self._lock:
-                    job._polled = polled = True
-                deadline = time.perf_counter() + core.poll_s
-                while not job._is_published:
-                    if time.perf_counter() >= deadline:
-                        return
-                    await checkpoint()
-                if job._enqueue_error is not None:
-                    return
             deadline = time.perf_counter() + core.poll_s
             while not job._finished and not self._complete_on_loop(job):
                 if time.perf_counter() >= deadline:
                     return
                 await checkpoint()
         finally:
-            if polled:
-                with self._lock:  # after this the lane thread gives the job to the waiter
-                    job._polled = False
             if job._loop_owned:
                 self.release(job)
-
-    def _keep_for_poll(self, job: Job) -> bool:
-        """Lane thread, once ``job`` is enqueued: keep it for the loop's ``poll`` if one waits
-        for it, instead of giving it to the waiter (which would race the poll for the GIL)."""
-        with self._lock:
-            if job._polled:
-                job._loop_owned = True
-                return True
-        return False
 
     def release(self, job: Job) -> None:
         """Loop thread: settle a job the loop kept for its poll (``run_inline``) if it has
@@ -278,8 +253,7 @@ class Lane:
                     if holding != (self._queued_calls < HOLD_GIL_BELOW):
                         holding = not holding
                         self.device.hold_gil(holding)
-                    if self._execute(job, stream) and not self._keep_for_poll(job) and \
-                            not self._complete_here(job):
+                    if self._execute(job, stream) and not self._complete_here(job):
                         self._hand(job)
                     del job  # not held while waiting for the next one (see _run_waiter)
         finally:
