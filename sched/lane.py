@@ -187,12 +187,9 @@ class Lane:
         it back, once per submit."""
         previous = self.device.hold_gil(True)
         try:
-            done = self._complete_on_loop(job)
+            return self._complete_on_loop(job)
         finally:
             self.device.hold_gil(previous)
-        if done:
-            job._loop_owned = False
-        return done
 
     def _complete_on_loop(self, job: Job) -> bool:
         event = job.event
@@ -202,6 +199,7 @@ class Lane:
         except Exception:  # a device error: the waiter's blocking wait reports it
             return False
         self._settle([job], None, on_loop=True)
+        job._loop_owned = False  # settled: nothing left to hand to the waiter
         return job._finished
 
     def stop(self) -> None:
