@@ -174,22 +174,19 @@ class Job:
     def state(self) -> str:
         """``queued`` (waiting for its lane), ``running`` (enqueued on the device), ``done``,
         ``failed`` or ``cancelled`` (never ran: the scheduler left on an error)."""
-        if self._loop_owned:
-            self._observe()
+        self.lane.release(self)  # a job the loop kept: settled, or the waiter's from now on
         if self._finished:
             return self._state
         return RUNNING if self._is_published and self._enqueue_error is None else QUEUED
 
     def done(self) -> bool:
         """True once the job has finished, whatever the outcome (never blocks)."""
-        if self._loop_owned:
-            self._observe()
+        self.lane.release(self)
         return self._finished
 
     def exception(self) -> BaseException | None:
         """The error of a finished job, or None (raises ``InvalidState`` while it runs)."""
-        if self._loop_owned:
-            self._observe()
+        self.lane.release(self)
         if not self._finished:
             raise InvalidState(f"{self!r} has not finished; await it first")
         self._retrieved = True
@@ -223,14 +220,6 @@ class Job:
 
     def __await__(self) -> Generator[Any, None, list[Result]]:
         return self.wait().__await__()
-
-    def _observe(self) -> None:
-        """A job the loop kept for its poll is being looked at without ``await``: settle it if
-        it has completed, else let the waiter finish it in the background (loop thread only:
-        elsewhere, e.g. a repr in a lane thread's message, it is left alone)."""
-        lane = self.lane
-        if threading.get_ident() == lane._core.waker.loop_thread:
-            lane.release(self)
 
     # -- lane side ------------------------------------------------------------------------
     def _published(self, timeout: float | None) -> bool:

@@ -170,14 +170,17 @@ class Lane:
                     return
                 await checkpoint()
         finally:
-            if job._loop_owned:
-                self.release(job)
+            self.release(job)
 
     def release(self, job: Job) -> None:
-        """Loop thread: settle a job the loop kept for its poll (``run_inline``) if it has
-        completed, else give it to the waiter; from then on it completes in the background."""
+        """If the loop kept ``job`` for its poll (``run_inline``): settle it if it has
+        completed, else give it to the waiter; from then on it completes in the background.
+        Only on the loop thread; elsewhere (a repr in a lane thread's message, ``statistics()``
+        from another thread) it does nothing."""
+        if not job._loop_owned or threading.get_ident() != self._core.waker.loop_thread:
+            return
         job._loop_owned = False
-        if not self._complete_on_loop(job) and not job._claimed:
+        if not self._complete_on_loop(job):
             self._hand(job)
 
     def settle_if_complete(self, job: Job) -> bool:

@@ -364,14 +364,13 @@ class Scheduler:
         self._loop_job = None
 
     def _release_loop_job(self) -> None:
-        """Hand the lone job the loop kept for its poll over to the waiter (loop thread only;
-        ``statistics()`` from another thread leaves it alone)."""
+        """Settle the lone job the loop kept for its poll, or hand it to the waiter
+        (``Lane.release``: loop thread only)."""
         job = self._loop_job
-        if job is None or threading.get_ident() != self.waker.loop_thread:
-            return
-        self._loop_job = None
-        if job._loop_owned:
+        if job is not None:
             job.lane.release(job)
+            if not job._loop_owned:
+                self._loop_job = None
 
     # -- called by lanes ----------------------------------------------------------------------
     def count_pending(self) -> int:
