@@ -165,10 +165,15 @@ class Lane:
             if core.poll_s <= 0 or core.count_pending() > 1:
                 return
             deadline = time.perf_counter() + core.poll_s
-            while not job._finished and not self._complete_on_loop(job):
+            # Yield before each query, the first included: ``await job`` is a schedule point
+            # even when the job is already complete (a task awaiting small jobs back to back
+            # must not starve the loop), and the device works on the job meanwhile.
+            while True:
+                await checkpoint()
+                if job._finished or self._complete_on_loop(job):
+                    return
                 if time.perf_counter() >= deadline:
                     return
-                await checkpoint()
         finally:
             self.release(job)
 

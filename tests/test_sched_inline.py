@@ -240,6 +240,42 @@ async def test_a_poll_yields_to_the_loop_and_cancelling_it_leaves_the_job_runnin
             assert sched.statistics()[0].completed == 1
 
 
+@pytest.mark.parametrize("where", ["caller stream", "lane"])
+async def test_awaiting_a_job_the_device_already_finished_still_yields_to_the_loop(device,
+                                                                                   where):
+    """``await job`` is a schedule point even when the poll finds the job complete at its first
+    query: a task awaiting small jobs back to back must not starve the loop's other tasks."""
+    method = double_program().method("forward", device=device)
+    stream = device.create_stream() if where == "caller stream" else None
+    x = on_device(data(4), device)
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await anyio.sleep(0)
+
+    with anyio.fail_after(30):
+        async with Scheduler(device, lanes=1, poll_us=1e6) as sched:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(ticker)
+                await wait_until(lambda: ticks > 0)
+                start = ticks
+                for _ in range(10):  # nothing but the awaits yields in this loop
+                    job = await sched.submit(method, [x], stream=stream)
+                    while job.event is None:  # a lane job: its lane thread enqueues it
+                        time.sleep(0.001)
+                    job.event.synchronize()  # complete before the await looks at it
+                    (y,) = await job
+                    np.testing.assert_allclose(y.to_host(), 2 * data(4), rtol=1e-6)
+                # On trio the other task runs in the same batch as the resumed one, so count
+                # over all ten awaits rather than across each.
+                assert ticks - start >= 5, f"the loop ran its other task {ticks - start} " \
+                    f"times during ten awaits"
+                tg.cancel_scope.cancel()
+
+
 async def test_a_lone_job_nobody_awaits_still_finishes(device):
     """The loop keeps a lone caller-stream job for ``await job`` to poll; a job nobody awaits
     must finish all the same: when looked at, when the next job needs its slot (here a full
