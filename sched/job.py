@@ -93,6 +93,7 @@ class Job:
 
     __slots__ = (
         "__weakref__",
+        "_calls",
         "_claimed",
         "_device_waits",
         "_done",
@@ -134,6 +135,7 @@ class Job:
         self._start_event: Event | None = None  # timing=True: the lane's to reuse once read
         self._stream_key: Any = None
         self._enqueue_error: BaseException | None = None
+        self._calls = 0  # driver calls it queues on the device, about (set by the scheduler)
         self._claimed = False  # settled by a thread of its lane (or the loop: Lane.poll)
         self._loop_owned = False  # kept by the loop for its poll, not yet given to the waiter
         self._is_published = False

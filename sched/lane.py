@@ -288,15 +288,17 @@ class Lane:
                 if dep._enqueue_error is not None:
                     raise DependencyFailed(job, dep, dep._enqueue_error) \
                         from dep._enqueue_error
-            assert job._inputs is not None
-            inputs = [v.job.results[v.index] if isinstance(v, JobOutput) else v
-                      for v in job._inputs]
+            inputs = job._inputs
+            assert inputs is not None
+            device_waits = job._device_waits  # the producers of its JobOutputs among them
+            if device_waits:
+                inputs = [v.job.results[v.index] if type(v) is JobOutput else v for v in inputs]
             stream = lane_stream
             if job.stream is not None:
                 guard = CallerStream(job.stream)
                 guard.__enter__()
                 stream = current_stream(self.device)
-            for dep in job._device_waits:  # no host round trip: the stream waits on the device
+            for dep in device_waits:  # no host round trip: the stream waits on the device
                 if dep.event is not None and dep._stream_key != stream.key:
                     stream.wait(dep.event)
             start = stream.record(self._timing_event()) if core.timing else None
@@ -311,7 +313,8 @@ class Lane:
                 else method.last_event
             job._start_event = start
             job._stream_key = stream.key
-            track_handle = None if job.stream is None else stream.handle
+            if job.stream is not None:
+                job._track_handle = stream.handle
         except DeviceError as exc:
             core.break_(exc, job)
             self._not_run(job, FAILED, core.broken_error() or exc)
@@ -325,8 +328,7 @@ class Lane:
         with self._lock:
             self._queued -= 1
             self._in_flight += 1
-            self._queued_calls += _calls(job)
-        job._track_handle = track_handle
+            self._queued_calls += job._calls
         job._publish(end, results, None)
         return True
 
@@ -376,14 +378,15 @@ class Lane:
             batch = [job for job in batch if not job._claimed]
             for job in batch:
                 job._claimed = True
-        if not batch:
-            return
-        busy = self._spans(batch) if error is None and core.timing else 0.0
-        with self._lock:
             self._in_flight -= len(batch)
             self._completed += len(batch)
-            self._queued_calls -= sum(_calls(job) for job in batch)
-            self._busy_s += busy
+            self._queued_calls -= sum(job._calls for job in batch)
+        if not batch:
+            return
+        if error is None and core.timing:  # reads timing events: not under the lock
+            busy = self._spans(batch)
+            with self._lock:
+                self._busy_s += busy
         if error is not None:
             core.break_(error, batch[0])
             error = core.broken_error() or error
@@ -489,12 +492,6 @@ class Lane:
 
 
 _NOTHING = object()
-
-
-def _calls(job: Job) -> int:
-    """An estimate of the driver calls ``job`` queued on the device: a launch per step, the
-    method's event record, two timing records and a stream wait."""
-    return len(job.method.definition.steps) + 4
 
 
 def _complete(job: Job) -> bool:

@@ -34,7 +34,7 @@ import itertools
 import threading
 import weakref
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -56,13 +56,20 @@ __all__ = ["Scheduler"]
 _NEW, _OPEN, _CLOSING, _CLOSED = "new", "open", "closing", "closed"
 
 
-class _MethodState:
-    __slots__ = ("kernels_only", "lane", "last")
+def _nothing() -> None:
+    return None
 
-    def __init__(self, lane: Lane, last: weakref.ref[Job], kernels_only: bool):
+
+class _MethodState:
+    __slots__ = ("calls", "kernels_only", "lane", "last")
+
+    def __init__(self, lane: Lane, last: weakref.ref[Job], kernels_only: bool, calls: int):
         self.lane = lane
         self.last = last
         self.kernels_only = kernels_only  # no user callable (which could block) among its steps
+        # An estimate of the driver calls one job queues on the device: a launch per step, the
+        # method's event record, two timing records and a stream wait (Lane.HOLD_GIL_BELOW).
+        self.calls = calls
 
 
 class Scheduler:
@@ -111,6 +118,8 @@ class Scheduler:
         self._broken_lock = threading.Lock()
         self._pending: set[Job] = set()
         self._loop_job: Job | None = None  # a lone job the loop kept for its poll (Lane.poll)
+        # The last stream= that passed _check_stream (a weak reference: never keeps it open).
+        self._checked_stream: Callable[[], Any] = _nothing
         self._unobserved: list[Job] = []  # failed jobs whose error nobody may have seen
         self._methods: weakref.WeakKeyDictionary[Method, _MethodState] = \
             weakref.WeakKeyDictionary()
@@ -219,7 +228,8 @@ class Scheduler:
         submitted. Once it returns, the job is the scheduler's: it will run.
         """
         await checkpoint_if_cancelled()
-        self._check_open()
+        if self._state is not _OPEN or self._broken is not None:
+            self._check_open()
         if not isinstance(method, Method):
             raise InvalidArgument(f"submit() takes a Method (program.method(name, device=...)), "
                                   f"got {type(method).__name__}")
@@ -230,23 +240,28 @@ class Scheduler:
         if not isinstance(inputs, (list, tuple)):
             raise InvalidArgument(f"submit({method.name}): inputs must be a list, got "
                                   f"{type(inputs).__name__}")
-        values = [self._check_input(method, i, v) for i, v in enumerate(inputs)]
-        after_jobs = check_jobs(after, self.device)
-        if stream is not None:
+        # A Result passes as it is (the common case, checked without a call).
+        values = [v if type(v) is Result else self._check_input(method, i, v)
+                  for i, v in enumerate(inputs)]
+        after_jobs = () if type(after) is tuple and not after else check_jobs(after, self.device)
+        if stream is not None and (stream is not self._checked_stream() or stream.closed):
             self._check_stream(stream)
-        target = self._pick_lane(method, lane)
-        assert target.slots is not None
-        self._settle_loop_job(target)
+        state = self._methods.get(method)
+        target = self._pick_lane(method, lane, state)
+        slots = target.slots
+        assert slots is not None
+        if self._loop_job is not None:
+            self._settle_loop_job(target)
         try:
-            target.slots.acquire_nowait()
+            slots.acquire_nowait()
         except anyio.WouldBlock:
-            await target.slots.acquire()
-        try:
-            self._check_open()  # it may have closed or broken while we waited for room
-        except BaseException:
-            target.slots.release()
-            raise
-        return self._enqueue(method, values, target, after_jobs, stream)
+            await slots.acquire()
+            try:
+                self._check_open()  # it may have closed or broken while we waited for room
+            except BaseException:
+                slots.release()
+                raise
+        return self._enqueue(method, values, target, after_jobs, stream, state)
 
     async def run(self, method: Method, inputs: Sequence[Any], *, lane: int | None = None,
                   after: Sequence[Job] = (), stream: Any = None) -> list[Result]:
@@ -260,21 +275,22 @@ class Scheduler:
         return await job
 
     def _enqueue(self, method: Method, values: list[Any], lane: Lane, after: tuple[Job, ...],
-                 stream: Any) -> Job:
-        producers = tuple(v.job for v in values if isinstance(v, JobOutput))
-        device_waits = tuple(dict.fromkeys((*after, *producers)))
-        host_waits = [j for j in device_waits if j.lane is not lane]
-        state = self._methods.get(method)
+                 stream: Any, state: _MethodState | None) -> Job:
+        producers = tuple(v.job for v in values if type(v) is JobOutput)
+        if after or producers:
+            device_waits = tuple(dict.fromkeys((*after, *producers)))
+            host_waits = [j for j in device_waits if j.lane is not lane]
+        else:
+            device_waits, host_waits = (), []
         previous = state.last() if state is not None else None
         if previous is not None and previous.lane is not lane and previous not in host_waits:
             host_waits.append(previous)  # one thread at a time drives a method
         job = Job(next(self._ids), method, values, lane, stream, tuple(host_waits), device_waits)
-        kernels_only = state.kernels_only if state is not None else \
-            all(step.kind == "kernel" for step in method.definition.steps)
-        inline = self.inline and stream is not None and not self._pending and \
-            self._can_run_inline(values, kernels_only)
         if state is None:
-            self._methods[method] = _MethodState(lane, weakref.ref(job), kernels_only)
+            state = self._methods[method] = _MethodState(
+                lane, weakref.ref(job), all(step.kind == "kernel" for step in
+                                            method.definition.steps),
+                len(method.definition.steps) + 4)
             lane.methods_bound += 1
         else:
             if state.lane is not lane:
@@ -282,6 +298,9 @@ class Scheduler:
                 lane.methods_bound += 1
                 state.lane = lane
             state.last = weakref.ref(job)
+        job._calls = state.calls
+        inline = stream is not None and self.inline and not self._pending and \
+            self._can_run_inline(values, state.kernels_only)
         self._pending.add(job)
         lane.outstanding += 1
         if inline:
@@ -305,14 +324,13 @@ class Scheduler:
         bench/NOTES.md)."""
         return kernels_only and all(isinstance(v, (Result, JobOutput)) for v in values)
 
-    def _pick_lane(self, method: Method, lane: int | None) -> Lane:
+    def _pick_lane(self, method: Method, lane: int | None, state: _MethodState | None) -> Lane:
         if lane is not None:
             if isinstance(lane, bool) or not isinstance(lane, int) or not (
                     0 <= lane < len(self.lanes)):
                 raise InvalidArgument(f"lane must be an int in 0..{len(self.lanes) - 1} (or None "
                                       f"to keep the method's lane), got {lane!r}")
             return self.lanes[lane]
-        state = self._methods.get(method)
         if state is not None:
             return state.lane
         return min(self.lanes, key=lambda ln: (ln.outstanding, ln.methods_bound, ln.index))
@@ -328,6 +346,8 @@ class Scheduler:
         return value
 
     def _check_stream(self, stream: Any) -> None:
+        """Validate ``stream=``. The last streamlane Stream that passed is remembered (weakly):
+        ``submit`` then re-checks only whether it closed."""
         CallerStream(stream)  # raises InvalidArgument for anything that is not a stream
         if isinstance(stream, Stream):
             if stream.device is not self.device:
@@ -338,6 +358,7 @@ class Scheduler:
                                       f"from its own thread; pass device.create_stream()")
             if stream.closed:
                 raise InvalidArgument(f"stream= {stream!r} is closed")
+            self._checked_stream = weakref.ref(stream)
 
     def _check_open(self) -> None:
         if self._broken is not None:

@@ -117,7 +117,7 @@ async def test_a_lane_launches_without_releasing_the_gil_only_while_its_queue_is
     """Lanes keep the GIL through launches (Device.hold_gil), but never while enough of their
     work is queued on the device that a launch could block on a full stream queue: a launch
     stuck with the GIL held would stall the loop (and, behind a latch, never end)."""
-    from streamlane.sched.lane import HOLD_GIL_BELOW, _calls
+    from streamlane.sched.lane import HOLD_GIL_BELOW
 
     settings: list[tuple[str, bool, int | None]] = []  # thread, on, the lane's queued calls
     scheds: list[Scheduler] = []
@@ -151,7 +151,7 @@ async def test_a_lane_launches_without_releasing_the_gil_only_while_its_queue_is
             for job in jobs:
                 await job
             await sched.run(method, [x])
-    per_job = _calls(jobs[0])
+    per_job = jobs[0]._calls
     first_over = per_job * -(-HOLD_GIL_BELOW // per_job)  # queued calls once past the bound
     lane = [(on, queued) for name, on, queued in settings if name.startswith("streamlane-lane")]
     assert [on for on, _ in lane] == [True, False, True], lane
@@ -308,6 +308,15 @@ async def test_bad_arguments_raise_invalid_argument(device):
             await sched.submit(method, [data(0)], after=["job"])
         with pytest.raises(InvalidArgument, match="CallerStream expects"):
             await sched.submit(method, [data(0)], stream=42)
+        with pytest.raises(InvalidArgument, match="after= takes an iterable"):
+            await sched.submit(method, [data(0)], after=None)
+        with pytest.raises(InvalidArgument, match="per-thread stream"):
+            await sched.submit(method, [data(0)], stream=device.per_thread_stream())
+        stream = device.create_stream()
+        await sched.run(method, [data(0)], stream=stream)
+        stream.close()  # a stream that passed before is checked again
+        with pytest.raises(InvalidArgument, match="is closed"):
+            await sched.submit(method, [data(0)], stream=stream)
         with pytest.raises(InvalidArgument, match="inputs must be a list"):
             await sched.submit(method, data(0))
         with pytest.raises(InvalidArgument, match="takes a Method"):

@@ -257,23 +257,23 @@ async def test_awaiting_a_job_the_device_already_finished_still_yields_to_the_lo
             await anyio.sleep(0)
 
     with anyio.fail_after(30):
-        async with Scheduler(device, lanes=1, poll_us=1e6) as sched:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(ticker)
-                await wait_until(lambda: ticks > 0)
-                start = ticks
-                for _ in range(10):  # nothing but the awaits yields in this loop
-                    job = await sched.submit(method, [x], stream=stream)
-                    while job.event is None:  # a lane job: its lane thread enqueues it
-                        time.sleep(0.001)
-                    job.event.synchronize()  # complete before the await looks at it
-                    (y,) = await job
-                    np.testing.assert_allclose(y.to_host(), 2 * data(4), rtol=1e-6)
-                # On trio the other task runs in the same batch as the resumed one, so count
-                # over all ten awaits rather than across each.
-                assert ticks - start >= 5, f"the loop ran its other task {ticks - start} " \
-                    f"times during ten awaits"
-                tg.cancel_scope.cancel()
+        async with Scheduler(device, lanes=1, poll_us=1e6) as sched, \
+                anyio.create_task_group() as tg:
+            tg.start_soon(ticker)
+            await wait_until(lambda: ticks > 0)
+            start = ticks
+            for _ in range(10):  # nothing but the awaits yields in this loop
+                job = await sched.submit(method, [x], stream=stream)
+                while job.event is None:  # a lane job: its lane thread enqueues it
+                    time.sleep(0.001)
+                job.event.synchronize()  # complete before the await looks at it
+                (y,) = await job
+                np.testing.assert_allclose(y.to_host(), 2 * data(4), rtol=1e-6)
+            # On trio the other task runs in the same batch as the resumed one, so count
+            # over all ten awaits rather than across each.
+            assert ticks - start >= 5, f"the loop ran its other task {ticks - start} " \
+                f"times during ten awaits"
+            tg.cancel_scope.cancel()
 
 
 async def test_a_lone_job_nobody_awaits_still_finishes(device):
