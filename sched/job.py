@@ -22,7 +22,6 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import anyio
-from anyio.lowlevel import checkpoint
 
 from streamlane.runtime.errors import InvalidArgument, InvalidState
 
@@ -207,7 +206,7 @@ class Job:
         scheduler releases them in the background.
         """
         if self._finished:
-            await checkpoint()
+            await self.lane._core.checkpoint()
         else:
             if self._is_published and self._enqueue_error is None:  # in flight: a short poll
                 # may beat the waiter's wakeup (and gives a job the loop kept to the waiter)
@@ -268,6 +267,7 @@ class Job:
         if self._done is None:
             self._done = anyio.Event()
         await self._done.wait()
+        self.lane._core.yielded()
 
     def __repr__(self) -> str:
         where = f"lane={self.lane.index}"

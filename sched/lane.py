@@ -35,8 +35,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from anyio.lowlevel import checkpoint
-
 from streamlane.runtime import CallerStream, Device, Event, current_stream
 from streamlane.runtime.errors import DeviceError
 from streamlane.runtime.stream import no_caller_stream
@@ -84,6 +82,9 @@ class _Core(Protocol):
     @property
     def cancelling(self) -> bool: ...
     def count_pending(self) -> int: ...
+    async def checkpoint(self) -> None: ...
+    async def yield_to_loop(self) -> None: ...
+    def yielded(self) -> None: ...
     def broken_error(self) -> BaseException | None: ...
     def break_(self, error: BaseException, job: Job) -> None: ...
     def finish(self, job: Job, state: str, error: BaseException | None) -> None: ...
@@ -165,15 +166,11 @@ class Lane:
             if core.poll_s <= 0 or core.count_pending() > 1:
                 return
             deadline = time.perf_counter() + core.poll_s
-            # Yield before each query, the first included: ``await job`` is a schedule point
-            # even when the job is already complete (a task awaiting small jobs back to back
-            # must not starve the loop), and the device works on the job meanwhile.
-            while True:
-                await checkpoint()
-                if job._finished or self._complete_on_loop(job):
-                    return
+            await core.checkpoint()  # yields only if the loop has not had a yield lately
+            while not job._finished and not self._complete_on_loop(job):
                 if time.perf_counter() >= deadline:
                     return
+                await core.yield_to_loop()
         finally:
             self.release(job)
 

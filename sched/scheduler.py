@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -40,7 +41,7 @@ from typing import Any
 
 import anyio
 import numpy as np
-from anyio.lowlevel import checkpoint_if_cancelled
+from anyio.lowlevel import checkpoint, checkpoint_if_cancelled
 
 from streamlane.runtime import CallerStream, Device, Event, Method, Result, Stream, get_device
 from streamlane.runtime.errors import InvalidArgument, InvalidState
@@ -54,6 +55,13 @@ from .timeline import Span, Timeline
 __all__ = ["Scheduler"]
 
 _NEW, _OPEN, _CLOSING, _CLOSED = "new", "open", "closing", "closed"
+
+# ``await job`` is always a cancellation point, and a schedule point (a yield to the event loop)
+# at least once per YIELD_EVERY_S of awaits that found their job finished without waiting: a
+# cooperative budget, as in Tokio. A yield costs an event-loop iteration (~9 us on an H200 host,
+# bench/NOTES.md), a quarter of a small job's whole await; the budget bounds the loop lag a
+# task awaiting small jobs back to back can cause.
+YIELD_EVERY_S = 0.0005
 
 
 def _nothing() -> None:
@@ -120,6 +128,7 @@ class Scheduler:
         self._loop_job: Job | None = None  # a lone job the loop kept for its poll (Lane.poll)
         # The last stream= that passed _check_stream (a weak reference: never keeps it open).
         self._checked_stream: Callable[[], Any] = _nothing
+        self._yielded_at = 0.0  # when an await last yielded to the loop (YIELD_EVERY_S)
         self._unobserved: list[Job] = []  # failed jobs whose error nobody may have seen
         self._methods: weakref.WeakKeyDictionary[Method, _MethodState] = \
             weakref.WeakKeyDictionary()
@@ -393,9 +402,25 @@ class Scheduler:
             if not job._loop_owned:
                 self._loop_job = None
 
-    # -- called by lanes ----------------------------------------------------------------------
+    # -- called by lanes and jobs --------------------------------------------------------------
     def count_pending(self) -> int:
         return len(self._pending)
+
+    async def checkpoint(self) -> None:
+        """A cancellation point, and a yield to the loop unless one came within
+        ``YIELD_EVERY_S`` (loop thread)."""
+        if time.perf_counter() - self._yielded_at >= YIELD_EVERY_S:
+            await self.yield_to_loop()
+        else:
+            await checkpoint_if_cancelled()
+
+    async def yield_to_loop(self) -> None:
+        await checkpoint()
+        self._yielded_at = time.perf_counter()
+
+    def yielded(self) -> None:
+        """Note that the loop just ran other tasks (an await that waited)."""
+        self._yielded_at = time.perf_counter()
 
     @property
     def cancelling(self) -> bool:

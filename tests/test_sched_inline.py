@@ -6,6 +6,7 @@ uvloop and trio."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 
@@ -241,39 +242,61 @@ async def test_a_poll_yields_to_the_loop_and_cancelling_it_leaves_the_job_runnin
 
 
 @pytest.mark.parametrize("where", ["caller stream", "lane"])
-async def test_awaiting_a_job_the_device_already_finished_still_yields_to_the_loop(device,
-                                                                                   where):
-    """``await job`` is a schedule point even when the poll finds the job complete at its first
-    query: a task awaiting small jobs back to back must not starve the loop's other tasks."""
+async def test_awaits_of_jobs_the_device_already_finished_still_let_the_loop_run(device,
+                                                                                 where):
+    """``await job`` yields to the loop at least once per ``YIELD_EVERY_S`` even when every
+    job is complete at its first look: a task awaiting small jobs back to back must not starve
+    the loop's other tasks (without the yield, 0.1 s of awaits ran no other task at all)."""
     method = double_program().method("forward", device=device)
     stream = device.create_stream() if where == "caller stream" else None
     x = on_device(data(4), device)
-    ticks = 0
+    ticks: list[float] = []
 
     async def ticker() -> None:
-        nonlocal ticks
         while True:
-            ticks += 1
+            ticks.append(time.perf_counter())
             await anyio.sleep(0)
 
     with anyio.fail_after(30):
         async with Scheduler(device, lanes=1, poll_us=1e6) as sched, \
                 anyio.create_task_group() as tg:
             tg.start_soon(ticker)
-            await wait_until(lambda: ticks > 0)
-            start = ticks
-            for _ in range(10):  # nothing but the awaits yields in this loop
+            await wait_until(lambda: len(ticks) > 0)
+            start = time.perf_counter()
+            awaits = 0
+            while time.perf_counter() - start < 0.1:  # nothing but the awaits yields here
                 job = await sched.submit(method, [x], stream=stream)
                 while job.event is None:  # a lane job: its lane thread enqueues it
-                    time.sleep(0.001)
+                    time.sleep(0.0005)
                 job.event.synchronize()  # complete before the await looks at it
                 (y,) = await job
-                np.testing.assert_allclose(y.to_host(), 2 * data(4), rtol=1e-6)
-            # On trio the other task runs in the same batch as the resumed one, so count
-            # over all ten awaits rather than across each.
-            assert ticks - start >= 5, f"the loop ran its other task {ticks - start} " \
-                f"times during ten awaits"
+                awaits += 1
+            end = time.perf_counter()
             tg.cancel_scope.cancel()
+    np.testing.assert_allclose(y.to_host(), 2 * data(4), rtol=1e-6)
+    during = [start] + [t for t in ticks if start < t < end] + [end]
+    longest = max(b - a for a, b in itertools.pairwise(during))
+    assert len(during) - 2 >= 10, f"the other task ran {len(during) - 2} times in 0.1 s"
+    assert longest < 0.02, f"the other task waited {longest * 1e3:.1f} ms ({awaits} awaits)"
+
+
+async def test_awaiting_a_finished_job_in_a_cancelled_scope_raises_the_cancellation(device):
+    """``await job`` is always a cancellation point, also when it needs no yield; the job is
+    not affected."""
+    method = double_program().method("forward", device=device)
+    stream = device.create_stream()
+    x = on_device(data(5), device)
+    with anyio.fail_after(30):
+        async with Scheduler(device, lanes=1) as sched:
+            await sched.run(method, [x], stream=stream)  # the last yield is recent
+            job = await sched.submit(method, [x], stream=stream)
+            job.event.synchronize()
+            with anyio.CancelScope() as scope:
+                scope.cancel()
+                await job
+            assert scope.cancelled_caught
+            (y,) = await job
+            np.testing.assert_allclose(y.to_host(), 2 * data(5), rtol=1e-6)
 
 
 async def test_a_lone_job_nobody_awaits_still_finishes(device):
