@@ -15,6 +15,9 @@ Guarantees:
   thread; it is running when ``submit`` returns (``inline=False`` turns this off);
 - ``await job`` on the scheduler's only pending job polls its event on the loop for up to
   ``poll_us``, yielding between queries, before falling back to the waiter's wakeup;
+- ``await job`` is always a cancellation point, and yields to the loop at least once per
+  ``YIELD_EVERY_S`` even when every job it awaits is already finished, so a task awaiting small
+  jobs back to back never starves the loop's other tasks;
 - a method stays on the lane it was first submitted to, so its executes keep one thread's order;
   ``lane=`` moves it explicitly, and the move waits (host side, off the loop) until the method's
   previous job is enqueued, after which the runtime's rule 4 orders it on the device;
