@@ -278,6 +278,8 @@ class Job:
 
 def check_jobs(after: Any, device: Any) -> tuple[Job, ...]:
     """Validate ``after=``: an iterable of Jobs on ``device``."""
+    if type(after) is tuple and not after:  # the default, on every submit
+        return ()
     if isinstance(after, Job):
         after = (after,)
     try:

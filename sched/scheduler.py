@@ -255,7 +255,7 @@ class Scheduler:
         # A Result passes as it is (the common case, checked without a call).
         values = [v if type(v) is Result else self._check_input(method, i, v)
                   for i, v in enumerate(inputs)]
-        after_jobs = () if type(after) is tuple and not after else check_jobs(after, self.device)
+        after_jobs = check_jobs(after, self.device)
         if stream is not None and (stream is not self._checked_stream() or stream.closed):
             self._check_stream(stream)
         state = self._methods.get(method)
