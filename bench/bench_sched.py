@@ -273,9 +273,9 @@ def bench_overlap(dev: Any, raw: Any, rep: Report, q: bool) -> None:
                 "_untimed without (Scheduler(timing=False)); overlap from timing events; "
                 "streams_lane_enqueues: caller streams with Scheduler(inline=False). "
                 "raw: a spin and an event per stream, the program's work; raw spin then kernel: "
-                "a 1-float kernel after each spin, which stalls a hardware queue. Goals: >= 1.9x at N=2, >= 7x at N=8, within 10% "
-                "of raw streams for every N. CUDA_DEVICE_MAX_CONNECTIONS (hardware queues, "
-                "default 8) is in the JSON's env")
+                "a 1-float kernel after each spin, which stalls a hardware queue. Goals: "
+                ">= 1.9x at N=2, >= 7x at N=8, within 10% of raw streams for every N. "
+                "CUDA_DEVICE_MAX_CONNECTIONS (hardware queues, default 8) is in the JSON's env")
 
 
 # -- (c) throughput ----------------------------------------------------------------------------
