@@ -183,6 +183,17 @@ class _ShortCalls:
             fn.restype = ctypes.c_int
 
 
+def _max_connections(value: str | None) -> int:
+    """The hardware queues the driver gives a context for CUDA_DEVICE_MAX_CONNECTIONS (read
+    when the context is created: this is the value in the environment when streamlane opened
+    the device, which is the driver's unless another library created the context earlier)."""
+    try:
+        n = int(value) if value is not None else 8
+    except ValueError:
+        return 8
+    return min(max(n, 1), 32) if n > 0 else 8
+
+
 def _short_calls() -> _ShortCalls | None:
     try:
         return _ShortCalls()
@@ -404,6 +415,7 @@ class CudaDevice(Device):
         self._cu_launch = d.cuLaunchKernel
         self._short = _short_calls()
         self._spare_events: dict[bool, list[Any]] = {True: [], False: []}  # by timing
+        self.hardware_queues = _max_connections(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"))
 
     def hold_gil(self, enabled: bool) -> bool:
         """See ``Device.hold_gil``: on CUDA, the ``_ShortCalls`` from this thread keep the GIL

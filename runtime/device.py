@@ -66,6 +66,12 @@ class Device(ABC):
     """One device: its streams, events, memory and kernels. Get one with ``get_device``."""
 
     kind: str = ""
+    # How many hardware queues feed this device's streams, or None where streams never share
+    # one (the host device). On CUDA, CUDA_DEVICE_MAX_CONNECTIONS (default 8, at most 32): with
+    # more streams busy than queues, streams share them, and a command at a queue's head that
+    # must wait for a running kernel (a dependent kernel, a stream wait, or an event record with
+    # timing) holds up every stream behind it (bench/queue_probe.py).
+    hardware_queues: int | None = None
 
     def __init__(self, index: int = 0):
         self.index = index

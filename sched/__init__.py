@@ -5,7 +5,7 @@ returns a ``Job`` to await; ``after=`` orders jobs across lanes on the device; `
 measures the overlap you asked for.
 """
 
-from .errors import DependencyFailed, SchedulerBroken, SchedulerClosed
+from .errors import DependencyFailed, SchedulerBroken, SchedulerClosed, TimingStallWarning
 from .job import Job, JobOutput
 from .lane import Lane, LaneStatistics
 from .scheduler import Scheduler
@@ -22,4 +22,5 @@ __all__ = [
     "SchedulerClosed",
     "Span",
     "Timeline",
+    "TimingStallWarning",
 ]

@@ -4,6 +4,7 @@ Each has one meaning (trio's distinction): ``SchedulerClosed`` — *your code* c
 (or left its ``async with`` on an error, cancelling the jobs still queued); ``SchedulerBroken`` —
 *the device* failed, so every pending job failed and no new work is accepted;
 ``DependencyFailed`` — a job could not run because a job it depends on never reached the device.
+``TimingStallWarning`` is a warning, not an error: timing events are costing overlap.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from streamlane.runtime.errors import DeviceError, InvalidState, StreamlaneError
 if TYPE_CHECKING:
     from .job import Job
 
-__all__ = ["DependencyFailed", "SchedulerBroken", "SchedulerClosed"]
+__all__ = ["DependencyFailed", "SchedulerBroken", "SchedulerClosed", "TimingStallWarning"]
 
 
 class SchedulerClosed(InvalidState):
@@ -38,3 +39,14 @@ class DependencyFailed(StreamlaneError):
         self.dependency = dependency
         super().__init__(f"{job!r} was not run: it depends on {dependency!r}, which failed with "
                          f"{type(error).__name__}: {error}")
+
+
+class TimingStallWarning(UserWarning):
+    """Issued once per scheduler when it has timed jobs in flight on more streams than the
+    device has hardware queues (``device.hardware_queues``; on CUDA ``CUDA_DEVICE_MAX_CONNECTIONS``,
+    8 by default). Streams then share queues, and the timing event recorded after each job waits
+    at its queue's head for the job's kernels, holding up the streams behind it: overlap stops
+    near the number of queues (an H200: 7.5x for 128 two-ms spins on 128 streams, 42.6x without
+    timing events, bench/results/queue-probe-cuda.txt). ``Scheduler(timing=False)`` removes the
+    stall (``timeline()`` is then empty); ``CUDA_DEVICE_MAX_CONNECTIONS=32``, set before CUDA
+    initializes in the process, moves the limit to 32 queues."""

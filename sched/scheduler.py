@@ -36,6 +36,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -50,7 +51,7 @@ from streamlane.runtime import CallerStream, Device, Event, Method, Result, Stre
 from streamlane.runtime.errors import InvalidArgument, InvalidState
 
 from ._wakeup import LoopWaker
-from .errors import SchedulerBroken, SchedulerClosed
+from .errors import SchedulerBroken, SchedulerClosed, TimingStallWarning
 from .job import CANCELLED, DONE, FAILED, Job, JobOutput, check_jobs
 from .lane import Lane, LaneStatistics
 from .timeline import Span, Timeline
@@ -88,14 +89,16 @@ class Scheduler:
 
     ``device``: a Device or a name for ``get_device`` (default: auto). ``lanes``: how many lane
     threads. ``queue_size``: the most jobs one lane holds, queued or in flight. ``timing``:
-    record timing events around every job (``timeline()``, ``busy_time_s``); turn it off to shave
-    two event records per job. ``spin_us``: how long a waiter polls an event before blocking on
-    it. ``poll_us``: how long ``await job`` polls the job's event on the event loop (yielding
-    between queries) before waiting for the waiter's wakeup, only while that job is the only
-    one pending; 0 turns it off. ``inline``: let the event loop thread enqueue a lone
-    caller-stream job that cannot block itself instead of handing it to the lane thread;
-    False keeps every driver call off the loop thread. ``timeline_size``: how many recent spans
-    ``timeline()`` keeps.
+    record timing events around every job (``timeline()``, ``busy_time_s``); turn it off to
+    shave two event records per job, and for overlap across more streams than the device has
+    hardware queues (8 on CUDA by default): the timing event after a job holds up the streams
+    that share its queue (``TimingStallWarning`` says when). ``spin_us``: how long a waiter
+    polls an event before blocking on it. ``poll_us``: how long ``await job`` polls the job's
+    event on the event loop (yielding between queries) before waiting for the waiter's wakeup,
+    only while that job is the only one pending; 0 turns it off. ``inline``: let the event loop
+    thread enqueue a lone caller-stream job that cannot block itself instead of handing it to
+    the lane thread; False keeps every driver call off the loop thread. ``timeline_size``: how
+    many recent spans ``timeline()`` keeps.
     """
 
     def __init__(self, device: Device | str | None = None, lanes: int = 2, *,
@@ -137,6 +140,11 @@ class Scheduler:
             weakref.WeakKeyDictionary()
         self._ids = itertools.count()
         self._spans: deque[Span] = deque(maxlen=timeline_size)
+        # With timing events on a device whose streams share hardware queues, the streams with
+        # jobs pending (by id: a lane's own stream, or a caller stream), until more of them than
+        # queues call for a TimingStallWarning; then no longer counted.
+        self._queues = self.device.hardware_queues if timing else None
+        self._busy_streams: dict[int, int] = {}
 
     # -- context ----------------------------------------------------------------------------
     async def __aenter__(self) -> Scheduler:
@@ -315,6 +323,8 @@ class Scheduler:
             self._can_run_inline(values, state.kernels_only)
         self._pending.add(job)
         lane.outstanding += 1
+        if self._queues is not None:
+            self._count_stream(job, 1)
         if inline:
             lane.run_inline(job)
             if job._loop_owned:
@@ -335,6 +345,28 @@ class Scheduler:
         job spreads the burst's device starts less than the loop doing both (H200 figures in
         bench/NOTES.md)."""
         return kernels_only and all(isinstance(v, (Result, JobOutput)) for v in values)
+
+    def _count_stream(self, job: Job, delta: int) -> None:
+        """Count ``job`` in (+1) or out (-1) of the streams with jobs pending; warn once when
+        they outnumber the device's hardware queues (``TimingStallWarning``)."""
+        busy = self._busy_streams
+        key = id(job.stream) if job.stream is not None else id(job.lane)
+        count = busy.get(key, 0) + delta
+        if count > 0:
+            busy[key] = count
+        else:
+            busy.pop(key, None)
+        queues = self._queues
+        if delta > 0 and queues is not None and len(busy) > queues:
+            self._queues = None
+            busy.clear()
+            warnings.warn(
+                f"{queues + 1} streams have timed jobs pending on {self.device.name}, more than "
+                f"its {queues} hardware queues (CUDA_DEVICE_MAX_CONNECTIONS): streams now share "
+                f"queues, and the timing event after each job holds up the streams behind it, "
+                f"so overlap stops near {queues}x. For wider overlap create the Scheduler with "
+                f"timing=False (no timeline), or set CUDA_DEVICE_MAX_CONNECTIONS=32 before CUDA "
+                f"initializes", TimingStallWarning, stacklevel=4)
 
     def _pick_lane(self, method: Method, lane: int | None, state: _MethodState | None) -> Lane:
         if lane is not None:
@@ -463,6 +495,8 @@ class Scheduler:
         if not job._finish(state, error):
             return
         self._pending.discard(job)
+        if self._queues is not None:
+            self._count_stream(job, -1)
         lane = job.lane
         lane.outstanding -= 1
         assert lane.slots is not None

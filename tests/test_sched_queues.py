@@ -1,0 +1,118 @@
+"""Timing events and the GPU's hardware queues: a scheduler with timing events warns once
+(``TimingStallWarning``) when more streams have jobs pending than the device has hardware
+queues, since the timing event after each job then holds up the streams sharing its queue
+(bench/queue_probe.py). The host device has no such queues and never warns; tests pretend it
+has two. Async tests run on asyncio, uvloop and trio."""
+
+from __future__ import annotations
+
+import warnings
+
+import anyio
+import pytest
+from sched_helpers import BACKENDS, data, double_program, spin_program
+
+from streamlane.runtime import get_device
+from streamlane.sched import Scheduler, TimingStallWarning
+
+SPIN_US = 30_000  # long enough that every job of a burst is still pending at its last submit
+
+
+@pytest.fixture(params=BACKENDS)
+def anyio_backend(request):
+    return request.param
+
+
+def _stalls(caught: list[warnings.WarningMessage]) -> list[warnings.WarningMessage]:
+    return [w for w in caught if issubclass(w.category, TimingStallWarning)]
+
+
+async def _burst(device, n: int, *, lanes: int = 1, streams: bool = True, timing: bool = True,
+                 check_before_last: bool = False) -> list[warnings.WarningMessage]:
+    """Submit ``n`` spins at once (one caller stream each, or one lane each), then await them;
+    the warnings caught."""
+    methods = [spin_program(SPIN_US, f"s{i}").method("forward", device=device) for i in range(n)]
+    owned = [device.create_stream() for _ in range(n)] if streams else [None] * n
+    with anyio.fail_after(30), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        async with Scheduler(device, lanes=lanes, timing=timing) as sched:
+            jobs = []
+            for i, (method, stream) in enumerate(zip(methods, owned, strict=True)):
+                if check_before_last and i == n - 1:
+                    assert not _stalls(caught), "warned before the streams outnumbered the queues"
+                jobs.append(await sched.submit(method, [data(i)], stream=stream,
+                                               lane=None if streams else i))
+            for job in jobs:
+                await job
+    for stream in owned:
+        if stream is not None:
+            stream.close()
+    return caught
+
+
+@pytest.mark.anyio
+async def test_more_busy_streams_than_hardware_queues_warn_once_at_the_submit(device,
+                                                                               monkeypatch):
+    monkeypatch.setattr(device, "hardware_queues", 2)
+    caught = await _burst(device, 5, check_before_last=False)
+    stalls = _stalls(caught)
+    assert len(stalls) == 1, [str(w.message) for w in caught]
+    message = str(stalls[0].message)
+    assert "3 streams" in message and "2 hardware queues" in message
+    assert "timing=False" in message and "CUDA_DEVICE_MAX_CONNECTIONS=32" in message
+    assert stalls[0].filename == __file__  # it points at the user's submit
+
+
+@pytest.mark.anyio
+async def test_as_many_busy_streams_as_queues_do_not_warn(device, monkeypatch):
+    monkeypatch.setattr(device, "hardware_queues", 3)
+    assert not _stalls(await _burst(device, 3))
+    # The fourth stream is the first one too many (checked before it is submitted).
+    assert len(_stalls(await _burst(device, 4, check_before_last=True))) == 1
+
+
+@pytest.mark.anyio
+async def test_lane_streams_count_too(device, monkeypatch):
+    monkeypatch.setattr(device, "hardware_queues", 2)
+    assert len(_stalls(await _burst(device, 3, lanes=3, streams=False))) == 1
+
+
+@pytest.mark.anyio
+async def test_without_timing_events_nothing_stalls_and_nothing_warns(device, monkeypatch):
+    monkeypatch.setattr(device, "hardware_queues", 2)
+    assert not _stalls(await _burst(device, 5, timing=False))
+
+
+@pytest.mark.anyio
+async def test_a_stream_stops_counting_once_its_jobs_finish(device, monkeypatch):
+    monkeypatch.setattr(device, "hardware_queues", 2)
+    method = double_program().method("forward", device=device)
+    streams = [device.create_stream() for _ in range(6)]
+    with anyio.fail_after(30), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        async with Scheduler(device, lanes=1) as sched:
+            for i, stream in enumerate(streams):  # one stream busy at a time
+                (y,) = await sched.run(method, [data(i)], stream=stream)
+                assert (y.to_host() == data(i) * 2).all()
+    assert not _stalls(caught)
+    for stream in streams:
+        stream.close()
+
+
+@pytest.mark.anyio
+async def test_the_host_device_has_no_hardware_queues_and_never_warns():
+    host = get_device("host")
+    assert host.hardware_queues is None
+    assert not _stalls(await _burst(host, 5))
+
+
+@pytest.mark.cuda
+def test_cuda_reports_the_hardware_queues_of_its_environment(cuda_device, monkeypatch):
+    import os
+
+    from streamlane.runtime.cuda import _max_connections
+
+    assert cuda_device.hardware_queues == _max_connections(
+        os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"))
+    assert [_max_connections(v) for v in (None, "8", "32", "64", "1", "0", "-3", "x")] == \
+        [8, 8, 32, 32, 1, 8, 8, 8]
