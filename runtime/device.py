@@ -193,7 +193,7 @@ class Device(ABC):
         if src.dtype != dst.dtype or src.shape != dst.shape:
             raise InvalidArgument(f"copy_from_host: source {src.dtype}{list(src.shape)} does not "
                                   f"match destination {dst.dtype}{list(dst.shape)}")
-        self._copy_h2d(dst, np.ascontiguousarray(src), stream._usable())
+        self._copy_h2d(dst, np.asarray(src, order="C"), stream._usable())
 
     def copy_to_host(self, dst: np.ndarray, src: DeviceArray, stream: Stream) -> None:
         """Enqueue a copy of ``src`` into host ``dst``; valid once ``stream`` has passed it."""
@@ -213,7 +213,7 @@ class Device(ABC):
         self._copy_d2d(dst, src, stream._usable())
 
     def to_device(self, array: Any, stream: Stream) -> DeviceArray:
-        array = np.ascontiguousarray(array)
+        array = np.asarray(array, order="C")
         dst = self.empty(array.shape, array.dtype, stream)
         self.copy_from_host(dst, array, stream)
         return dst

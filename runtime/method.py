@@ -167,7 +167,7 @@ class Method:
             raise InvalidInput(self.name, index, f"{expected} (numpy array, Result, DLPack or "
                                f"__cuda_array_interface__ object)", type(value).__name__)
         self._check_meta(index, array.dtype, array.shape, want, decl.shape, expected)
-        return np.ascontiguousarray(array)  # another layout is copied into the exported one
+        return np.asarray(array, order="C")  # another layout is copied into the exported one
 
     def _scalar(self, index: int, value: Any, decl: Any, want: np.dtype) -> np.ndarray:
         if decl.shape != ():

@@ -242,7 +242,7 @@ class Result:
             device = get_device(device)
         if isinstance(array, Result):
             array = array.to_host()
-        host = np.ascontiguousarray(array)
+        host = np.asarray(array, order="C")
         if host.dtype.hasobject:
             raise InvalidArgument(f"from_host: object arrays cannot go to a device ({host.dtype})")
         dtype_name(host.dtype)  # raises InvalidArgument for an unsupported dtype

@@ -162,6 +162,23 @@ def test_scalar_inputs_follow_their_declared_kind(device):
     np.testing.assert_array_equal(meth([x, 2.5, 1])[0].to_host(), x * 2.5)
 
 
+def test_zero_d_arrays_are_scalars_and_keep_their_shape(device):
+    """numpy's ascontiguousarray turns a 0-d array into shape (1,): a 0-d input once reached
+    the kernels as [1] and faulted the device, and Result.from_host made it [1]."""
+    b = Program.build("zero_d")
+    m = b.method("forward", a=("float32", []))
+    m.output(m.step("add", "a", "a", out="y"))
+    meth = b.finish().method("forward", device=device)
+    (y,) = meth([np.array(2.5, np.float32)])
+    assert y.shape == () and y.to_host() == np.float32(5.0)
+    r = Result.from_host(np.array(3.0, np.float32), device)
+    assert r.shape == () and r.to_host().shape == ()
+    assert meth([r])[0].to_host() == np.float32(6.0)
+    assert meth([4])[0].to_host() == np.float32(8.0)  # the method was not left broken
+    with pytest.raises(InvalidInput, match="shape"):
+        meth([np.array([2.5], np.float32)])  # [1] is not a scalar
+
+
 def get_host():
     from streamlane.runtime import get_device
 
