@@ -97,8 +97,14 @@ class Stream:
         self.device._stream_synchronize(self._usable())
 
     def close(self) -> None:
-        """Destroy an owned stream (after its queued work). Safe to call twice; borrowed,
-        per-thread and legacy streams are only marked closed for this wrapper."""
+        """Destroy an owned stream (after its queued work). Safe to call twice. A borrowed
+        (foreign) stream is only marked closed for this wrapper. The per-thread and legacy
+        streams belong to the driver and are shared by everything in the process: closing one
+        raises ``InvalidState``."""
+        if self.kind in (PER_THREAD, LEGACY):
+            raise InvalidState(f"{self!r} belongs to the driver and is shared by every user of "
+                               f"the device; it cannot be closed. Close only streams from "
+                               f"device.create_stream() (or wrappers of borrowed ones)")
         if self._closed:
             return
         self._closed = True
@@ -113,7 +119,10 @@ class Stream:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        """Leaving ``with stream:`` closes an owned stream (a borrowed one: this wrapper); the
+        shared per-thread and legacy streams stay open."""
+        if self.kind not in (PER_THREAD, LEGACY):
+            self.close()
 
     def __cuda_stream__(self) -> tuple[int, int]:
         """The CUDA stream protocol: (version 0, handle)."""

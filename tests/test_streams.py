@@ -39,6 +39,22 @@ def test_legacy_stream_is_explicit_and_shared(device):
     legacy.record().synchronize()
 
 
+def test_the_shared_streams_cannot_be_closed_and_stay_usable(device):
+    legacy, mine = device.legacy_stream(), device.per_thread_stream()
+    for shared in (legacy, mine):
+        with pytest.raises(InvalidState, match="cannot be closed"):
+            shared.close()
+        with shared:  # leaving a with block leaves a shared stream open
+            pass
+        assert not shared.closed
+        shared.record().synchronize()
+    with current_stream(device) as s:
+        assert s is mine
+    with CallerStream(None):
+        current_stream(device).record().synchronize()
+    in_thread(lambda: device.legacy_stream().record().synchronize())
+
+
 def test_created_stream_close_is_idempotent_and_context_managed(device):
     with device.create_stream() as s:
         assert s.kind == "owned"
