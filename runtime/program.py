@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import zipfile
 from collections.abc import Callable, Mapping, Sequence
@@ -19,7 +20,7 @@ import numpy as np
 from streamlane.kernels import KernelSpecError, UnknownKernel, get_kernel
 
 from .dtypes import DTYPES, dtype_name
-from .errors import InvalidProgram, NotSupported
+from .errors import InvalidArgument, InvalidProgram, NotSupported
 
 if TYPE_CHECKING:
     from .device import Device
@@ -105,6 +106,9 @@ class Program:
     @classmethod
     def load(cls, path: str | Path) -> Program:
         """Read a format-1 program: the JSON manifest at ``path`` and its sibling ``.npz``."""
+        if not isinstance(path, (str, os.PathLike)):
+            raise InvalidArgument(f"Program.load takes a path (str or os.PathLike), got "
+                                  f"{type(path).__name__}")
         path = Path(path)
         try:
             raw = path.read_bytes()
@@ -164,7 +168,6 @@ class Program:
     def method(self, name: str, device: Device | str | None = None, **options: Any) -> Method:
         """Bind method ``name`` to ``device`` (a Device or a name for ``get_device``)."""
         from .device import Device, get_device
-        from .errors import InvalidArgument
         from .method import Method
 
         if name not in self.methods:
@@ -245,12 +248,17 @@ class MethodBuilder:
     def step(self, kernel: str, *ins: str, out: str | None = None, **params: Any) -> str:
         """Append a kernel step; its single output buffer is declared with the shape the kernel
         infers. Returns the output's name (``out`` or a fresh one)."""
-        spec = get_kernel(kernel)
+        where = f"methods.{self.name}.steps[{len(self._steps)}]"
+        try:
+            spec = get_kernel(kernel)
+        except UnknownKernel as exc:
+            raise InvalidProgram(f"{where}.kernel", f"one of {', '.join(exc.valid)}",
+                                 kernel) from None
         try:
             shapes = spec.infer([self._shapes[i][1] for i in ins], spec.resolve_params(params))
         except (KernelSpecError, KeyError) as exc:
-            raise InvalidProgram(f"methods.{self.name}.steps[{len(self._steps)}]",
-                                 "inputs that exist and fit the kernel", str(exc)) from None
+            raise InvalidProgram(where, "inputs that exist and fit the kernel",
+                                 str(exc)) from None
         outs = []
         for k, shape in enumerate(shapes):
             name = out if (out is not None and k == 0) else f"t{len(self._steps)}_{k}"
@@ -267,6 +275,9 @@ class MethodBuilder:
              outs: Sequence[tuple[str, str, Sequence[int]]], name: str | None = None) -> None:
         """Append a callable step: ``fn(stream, ins, outs)`` enqueues its work on ``stream``
         (device arrays in, device arrays out)."""
+        if not callable(fn):
+            raise InvalidProgram(f"methods.{self.name}.steps[{len(self._steps)}].callable",
+                                 "a callable fn(stream, ins, outs)", type(fn).__name__)
         name = name or getattr(fn, "__name__", "callable")
         base, n = name, 1
         while name in self._parent._callables and self._parent._callables[name] is not fn:

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from streamlane.runtime import Program
-from streamlane.runtime.errors import InvalidProgram, NotSupported
+from streamlane.runtime.errors import InvalidArgument, InvalidProgram, NotSupported
 from streamlane.runtime.examples import build_encoder, load
 
 W = np.random.default_rng(0).standard_normal((16, 16)).astype(np.float32)
@@ -58,6 +58,25 @@ def test_builder_makes_the_same_object_as_a_file(tmp_path):
     built.save(tmp_path / "encoder.json")
     assert Program.load(tmp_path / "encoder.json") == built
     assert load("encoder") == built
+
+
+def test_builder_mistakes_are_invalid_program_with_a_path():
+    b = Program.build("p")
+    m = b.method("forward", x=("float32", [4]))
+    with pytest.raises(InvalidProgram, match="relu") as info:
+        m.step("nope", "x")  # the message lists the kernels there are
+    assert info.value.path == "methods.forward.steps[0].kernel"
+    with pytest.raises(InvalidProgram) as info:
+        m.call(5, ["x"], [("y", "float32", [4])])  # not a callable: refused now, not at run
+    assert info.value.path == "methods.forward.steps[0].callable"
+    m.output(m.step("relu", "x", out="y"))  # the builder still works after both
+    assert [s.target for s in b.finish().methods["forward"].steps] == ["relu"]
+
+
+@pytest.mark.parametrize("bad", [None, 5, 1.5, ["a.json"]])
+def test_load_takes_a_path(bad):
+    with pytest.raises(InvalidArgument, match="path"):
+        Program.load(bad)
 
 
 def test_bfloat16_constants_round_trip(tmp_path):
