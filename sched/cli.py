@@ -70,6 +70,12 @@ def _demo(args: argparse.Namespace) -> int:
     except StreamlaneError as exc:
         console.print(f"[red]streamlane demo: {exc}[/red]")
         return 2
+    try:  # before any work: an unusable --out is a usage error, not a traceback at the end
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        console.print(f"[red]streamlane demo: cannot write the timelines to --out {args.out}: "
+                      f"{exc.strerror or exc}[/red]")
+        return 2
     size = args.size if args.size != "auto" else ("large" if device.kind == "cuda" else "small")
     batch, width = SIZES[size]
     console.print(f"streamlane demo on [bold]{device.name}[/bold]: {args.requests} requests "

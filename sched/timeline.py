@@ -9,9 +9,12 @@ is measured, not inferred: ``overlap() = sum of job durations / length of their 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from streamlane.runtime.errors import InvalidArgument
 
 __all__ = ["Span", "Timeline"]
 
@@ -82,7 +85,7 @@ class Timeline:
     def to_chrome_trace(self, path: str | Path) -> Path:
         """Write a Chrome / Perfetto trace (JSON; open it in ui.perfetto.dev or
         chrome://tracing), one track per lane and caller stream. Returns the path."""
-        path = Path(path)
+        path = _path(path, "to_chrome_trace")
         tid = {t: i for i, t in enumerate(self.tracks())}
         events: list[dict] = [{"name": "process_name", "ph": "M", "pid": 1, "tid": 0,
                                "args": {"name": f"streamlane {self.device}".strip()}}]
@@ -108,7 +111,7 @@ class Timeline:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
 
-        path = Path(path)
+        path = _path(path, "plot")
         tracks = self.tracks()
         fig = Figure(figsize=(10, 1.2 + 0.5 * max(1, len(tracks))), dpi=100)
         FigureCanvasAgg(fig)
@@ -144,3 +147,10 @@ class Timeline:
     def __repr__(self) -> str:
         return (f"<Timeline {len(self.spans)} jobs, {len(self.tracks())} tracks, overlap "
                 f"{self.overlap():.2f}x>")
+
+
+def _path(path: object, what: str) -> Path:
+    if not isinstance(path, (str, os.PathLike)):
+        raise InvalidArgument(f"Timeline.{what} takes a file path (str or os.PathLike), got "
+                              f"{type(path).__name__}")
+    return Path(path)

@@ -13,6 +13,7 @@ import anyio
 import pytest
 from sched_helpers import BACKENDS, data, spin_program
 
+from streamlane.runtime.errors import InvalidArgument
 from streamlane.sched import LaneStatistics, Scheduler, Span, Timeline
 
 SPIN_US = 50_000
@@ -116,6 +117,26 @@ async def test_the_trace_is_valid_json_with_one_track_per_lane_and_the_plot_is_a
     assert all(e["dur"] > 0.04e6 for e in jobs)  # microseconds
     png = timeline.plot(tmp_path / "timeline.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("bad", [None, 5, ["trace.json"]])
+def test_exports_take_a_file_path(bad):
+    timeline = Timeline([Span(0, "a", 0, "lane 0", 0.0, 1.0)])
+    with pytest.raises(InvalidArgument, match="to_chrome_trace takes a file path"):
+        timeline.to_chrome_trace(bad)
+    with pytest.raises(InvalidArgument, match="plot takes a file path"):
+        timeline.plot(bad)
+
+
+def test_the_demo_refuses_an_unusable_out_before_running(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    proc = subprocess.run(
+        [sys.executable, "-m", "streamlane.sched", "demo", "--device", "host", "--requests", "1",
+         "--out", str(blocker / "out")], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "cannot write the timelines to --out" in proc.stdout and "Traceback" not in \
+        proc.stdout + proc.stderr
 
 
 def test_the_demo_command_runs_and_checks_every_result(tmp_path):
