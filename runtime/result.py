@@ -222,7 +222,9 @@ class Result:
             stream.wait(self.event)
 
     def to_host(self) -> np.ndarray:
-        """A numpy copy of the result. One host wait, for the work producing it only."""
+        """A numpy copy of the result, read on this thread's current stream: it waits (one
+        host wait) for the work producing the result and for whatever was queued on that stream
+        before, as torch's ``.cpu()`` and CuPy's ``.get()`` do."""
         device = self.device
         stream = current_stream(device)
         self.wait_on(stream)

@@ -213,6 +213,28 @@ def test_one_host_wait_per_chain_of_calls(device):
     np.testing.assert_allclose(got, np.sum(xs, axis=0, dtype=np.float64), rtol=1e-5, atol=1e-5)
 
 
+def test_to_host_reads_on_the_current_stream_after_what_was_queued_there(device):
+    """to_host follows torch's .cpu(): it waits for work queued before it on this thread's
+    stream, not only for the producer; read under an idle caller stream to skip that work."""
+    b = Program.build("spin")
+    b.method("forward").step("spin", us=300_000)
+    slow = b.finish().method("forward", device=device)
+    x = RNG.standard_normal((64, 64)).astype(np.float32)
+    (y,) = scaler().method("forward", device=device)([x])
+    y.to_host()  # warm (and known ready from here)
+    (y,) = scaler().method("forward", device=device)([x])
+    slow([])  # queued on this thread's stream after y's producer
+    with device.create_stream() as idle, CallerStream(idle):
+        t = time.perf_counter()
+        np.testing.assert_allclose(y.to_host(), 2 * x, rtol=1e-6)
+        assert time.perf_counter() - t < 0.2  # the producer only
+    (z,) = scaler().method("forward", device=device)([x])
+    slow([])
+    t = time.perf_counter()
+    np.testing.assert_allclose(z.to_host(), 2 * x, rtol=1e-6)
+    assert time.perf_counter() - t > 0.25  # behind the spin on this thread's stream
+
+
 def test_result_api(device):
     x = rand((3, 5))
     r = Result.from_host(x, device)
