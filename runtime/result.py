@@ -298,11 +298,15 @@ def _dlpack(self: Result, *, stream: Any = None, max_version: Any = None,
         raise InvalidArgument(f"Result on {self.device.name} cannot be exported to DLPack "
                               f"device {tuple(dl_device)}; call to_host() first")
     holder = self._holder if self._holder is not None else self
+    from .dlpack import KDL_CPU, KDL_CUDA, export
+
     if self.device.kind != "cuda":
         if self.event is not None:
             self.event.synchronize()  # host consumers read at once
-        return _host_view(self, holder).__dlpack__()
-    from .dlpack import KDL_CUDA, export
+        view = _host_view(self, holder)
+        if self.dtype_name == "bfloat16":  # numpy has no DLPack code for it; ours does
+            return export(view.ctypes.data, self.shape, self.dtype, KDL_CPU, 0, view)
+        return view.__dlpack__()
 
     consumer = _consumer_stream(self, stream)
     if self._holder is not None:

@@ -256,6 +256,20 @@ def test_from_host_keeps_bfloat16_and_accepts_a_result(device):
     np.testing.assert_array_equal(again.to_host().view(np.uint16), x.view(np.uint16))
 
 
+def test_host_bfloat16_exports_over_dlpack_with_its_own_code(host):
+    from streamlane.runtime import dlpack
+    from streamlane.runtime.host import HostDevice
+
+    x = rand((3, 4)).astype(ml_dtypes.bfloat16)
+    r = Result.from_host(x, host)
+    capsule = r.__dlpack__()
+    managed = dlpack.DLManagedTensor.from_address(dlpack.capsule_pointer(capsule))
+    t = managed.dl_tensor
+    assert (t.dtype.code, t.dtype.bits, t.device.device_type) == (4, 16, dlpack.KDL_CPU)
+    assert [t.shape[i] for i in range(t.ndim)] == [3, 4]
+    assert t.data == HostDevice.view(r.array).ctypes.data  # zero-copy
+
+
 def test_from_host_rejects_unsupported_dtypes(device):
     with pytest.raises(InvalidArgument):
         Result.from_host(np.array(["a", "b"]), device)
