@@ -147,17 +147,23 @@ class Method:
         if isinstance(value, (bool, int, float, np.number, np.bool_)) and not isinstance(
                 value, np.ndarray):
             return self._scalar(index, value, decl, want)
-        cai = getattr(value, "__cuda_array_interface__", None)
+        try:  # the array protocols are properties: a broken one raises anything
+            cai = getattr(value, "__cuda_array_interface__", None)
+            host_readable = isinstance(value, np.ndarray) or hasattr(
+                value, "__array_interface__") or hasattr(value, "__array__")
+            dlpack = hasattr(value, "__dlpack__")
+        except Exception as exc:
+            raise InvalidInput(self.name, index, expected, type(value).__name__,
+                               f"reading its array interface raised {exc!r}") from None
         if cai is not None and self.device.kind == "cuda":
             return self._accept_cai(index, value, cai, want, decl.shape, expected)
-        if isinstance(value, np.ndarray) or hasattr(value, "__array_interface__") or \
-                hasattr(value, "__array__"):
+        if host_readable:
             try:
                 array = np.asarray(value)
             except Exception as exc:  # e.g. a GPU array given to a host-device method
                 raise InvalidInput(self.name, index, f"{expected} readable on the host or a "
                                    f"Result", type(value).__name__, str(exc)) from None
-        elif hasattr(value, "__dlpack__"):
+        elif dlpack:
             try:
                 array = np.from_dlpack(value)
             except Exception as exc:

@@ -179,6 +179,18 @@ def test_zero_d_arrays_are_scalars_and_keep_their_shape(device):
         meth([np.array([2.5], np.float32)])  # [1] is not a scalar
 
 
+def test_an_input_whose_array_interface_raises_is_an_invalid_input(device):
+    class Broken:
+        @property
+        def __array_interface__(self):
+            raise ZeroDivisionError("broken")
+
+    meth = mlp().method("forward", device=device)
+    with pytest.raises(InvalidInput, match=r"input 0 of method .*ZeroDivisionError") as info:
+        meth.set_inputs([Broken()])
+    assert info.value.index == 0
+
+
 def get_host():
     from streamlane.runtime import get_device
 
