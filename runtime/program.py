@@ -237,7 +237,16 @@ class MethodBuilder:
                  inputs: Mapping[str, tuple[str, Sequence[int]]]):
         self._parent = parent
         self.name = name
-        self._inputs = [{"name": k, "dtype": d, "shape": list(s)} for k, (d, s) in inputs.items()]
+        self._inputs = []
+        for i, (k, decl) in enumerate(inputs.items()):
+            where = f"methods.{name}.inputs[{i}]"
+            if not isinstance(decl, (tuple, list)) or len(decl) != 2:
+                raise InvalidProgram(where, "(dtype, shape)", decl)
+            d, shape = decl
+            item = {"name": k, "dtype": d, "shape": list(shape) if isinstance(
+                shape, (list, tuple)) else shape}
+            _Validator({}, {}, {})._tensor(item, where)  # as a manifest's input would be
+            self._inputs.append(item)
         self._buffers: list[dict[str, Any]] = []
         self._steps: list[dict[str, Any]] = []
         self._outputs: list[str] = []

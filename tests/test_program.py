@@ -71,6 +71,12 @@ def test_builder_mistakes_are_invalid_program_with_a_path():
     assert info.value.path == "methods.forward.steps[0].callable"
     m.output(m.step("relu", "x", out="y"))  # the builder still works after both
     assert [s.target for s in b.finish().methods["forward"].steps] == ["relu"]
+    # Inputs are checked where they are declared, with the path a manifest's would get.
+    for decl, path in ((("float32", [4, -1]), "inputs[0].shape[1]"),
+                       (("float31", [4]), "inputs[0].dtype"), ("float32", "inputs[0]")):
+        with pytest.raises(InvalidProgram) as info:
+            b.method("other", x=decl)
+        assert info.value.path == f"methods.other.{path}"
 
 
 @pytest.mark.parametrize("bad", [None, 5, 1.5, ["a.json"]])
