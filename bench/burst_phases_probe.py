@@ -1,0 +1,107 @@
+"""Probe: where the wall time of a burst of caller-stream jobs goes, on the host clock.
+
+A burst is N 2-ms single-block spins submitted back to back from one task, one caller stream
+each, then awaited in order (``bench_sched.py`` (b)). Against raw streams the burst loses
+~0.5 ms at N = 8; this splits that into phases, from host timestamps taken around the lane's
+(or the loop's) enqueue of each job and the loop's settling of each job, relative to the first
+submit:
+
+- ``first enqueued``: when the first job's enqueue returned (its spin starts then, ~µs later);
+- ``last enqueued``: the same for the last job (the dispatch spread is the difference);
+- ``settled``: when the loop settled each job, minus when its spin ended (enqueue + 2 ms): the
+  completion path's lag per job;
+- ``wall``: the burst's wall time, against 2 ms + the last enqueue (no lag at all).
+
+Medians of 15 bursts. Usage: ``python bench/burst_phases_probe.py [--device cuda] [--n 8]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import anyio
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_sched import spin_program
+
+from streamlane.runtime import Result, get_device
+from streamlane.sched import Scheduler
+from streamlane.sched import lane as lane_module
+from streamlane.sched import scheduler as scheduler_module
+
+SPIN_US = 2000
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--bursts", type=int, default=15)
+    args = parser.parse_args(argv)
+    dev = get_device(args.device)
+    n = args.n
+    methods = [spin_program(SPIN_US).method("forward", device=dev) for _ in range(n)]
+    x = Result.from_host(np.ones(1, np.float32), dev)
+    x.to_host()
+    streams = [dev.create_stream() for _ in range(n)]
+
+    enqueued: dict[int, float] = {}
+    settled: dict[int, float] = {}
+    execute = lane_module.Lane._execute
+    finish = scheduler_module.Scheduler.finish
+
+    def timed_execute(self: Any, job: Any, lane_stream: Any) -> bool:
+        ok = execute(self, job, lane_stream)
+        enqueued[job.id] = time.perf_counter()
+        return ok
+
+    def timed_finish(self: Any, job: Any, state: str, error: Any) -> None:
+        settled.setdefault(job.id, time.perf_counter())
+        finish(self, job, state, error)
+
+    lane_module.Lane._execute = timed_execute  # type: ignore[method-assign]
+    scheduler_module.Scheduler.finish = timed_finish  # type: ignore[method-assign]
+
+    async def bursts(inline: bool, timing: bool) -> dict[str, float]:
+        rows: list[dict[str, float]] = []
+        async with Scheduler(dev, lanes=1, timing=timing, inline=inline) as sched:
+            await sched.run(methods[0], [x])
+            for _ in range(args.bursts):
+                enqueued.clear()
+                settled.clear()
+                t0 = time.perf_counter()
+                jobs = [await sched.submit(methods[i], [x], stream=streams[i])
+                        for i in range(n)]
+                submitted = time.perf_counter()
+                for job in jobs:
+                    await job
+                wall = time.perf_counter() - t0
+                ids = [job.id for job in jobs]
+                enq = [(enqueued[i] - t0) * 1e6 for i in ids]
+                lag = [(settled[i] - t0) * 1e6 - (e + SPIN_US) for i, e in zip(ids, enq,
+                                                                               strict=True)]
+                rows.append({"submits": (submitted - t0) * 1e6, "first enqueued": enq[0],
+                             "last enqueued": enq[-1], "lag first": lag[0],
+                             "lag median": statistics.median(lag), "lag last": lag[-1],
+                             "wall": wall * 1e6,
+                             "wall - (last enqueued + spin)": wall * 1e6 - enq[-1] - SPIN_US})
+        return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+
+    print(f"N={n} caller streams, {SPIN_US} us spins, medians of {args.bursts} bursts, "
+          f"host microseconds after the first submit")
+    for inline in (True, False):
+        for timing in (True, False):
+            result = anyio.run(bursts, inline, timing)
+            cells = ", ".join(f"{k} {v:.0f}" for k, v in result.items())
+            print(f"inline={inline!s:<5} timing={timing!s:<5} {cells}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
