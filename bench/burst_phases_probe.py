@@ -38,6 +38,61 @@ from streamlane.sched import scheduler as scheduler_module
 SPIN_US = 2000
 
 
+def wake_latencies(idle_s: float = 0.002, reps: int = 200) -> str:
+    """The host's cost of waking a sleeping thread after ``idle_s`` of idleness, the shape of a
+    burst's hand-overs, without streamlane: a thread blocked in ``threading.Event.wait``, and an
+    asyncio loop asleep in its selector woken by ``call_soon_threadsafe``. Medians, µs."""
+    import asyncio
+    import threading
+
+    go, ack, woke = threading.Event(), threading.Event(), []
+
+    def sleeper() -> None:
+        for _ in range(reps):
+            go.wait()
+            woke.append(time.perf_counter())
+            go.clear()
+            ack.set()
+
+    thread = threading.Thread(target=sleeper)
+    thread.start()
+    sets = []
+    for _ in range(reps):
+        time.sleep(idle_s)
+        sets.append(time.perf_counter())
+        go.set()
+        ack.wait()  # without holding the GIL, which the woken thread needs
+        ack.clear()
+    thread.join()
+    event_us = statistics.median((w - s) * 1e6 for s, w in zip(sets, woke, strict=True))
+
+    async def loop_side() -> float:
+        loop = asyncio.get_running_loop()
+        lags: list[float] = []
+        done = asyncio.Event()
+
+        def arrived(posted: float) -> None:
+            lags.append(time.perf_counter() - posted)
+            if len(lags) == reps:
+                done.set()
+
+        def poster() -> None:
+            for _ in range(reps):
+                time.sleep(idle_s)
+                loop.call_soon_threadsafe(arrived, time.perf_counter())
+
+        thread = threading.Thread(target=poster)
+        thread.start()
+        await done.wait()  # the loop sleeps in its selector between posts
+        thread.join()
+        return statistics.median(lags) * 1e6
+
+    loop_us = asyncio.run(loop_side())
+    return (f"host wake-ups after {idle_s * 1e3:.0f} ms idle (no streamlane): a thread in "
+            f"threading.Event.wait {event_us:.0f} us, an asyncio loop through "
+            f"call_soon_threadsafe {loop_us:.0f} us (medians of {reps})")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda")
@@ -93,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                              "wall - (last enqueued + spin)": wall * 1e6 - enq[-1] - SPIN_US})
         return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
 
+    print(wake_latencies())
     print(f"N={n} caller streams, {SPIN_US} us spins, medians of {args.bursts} bursts, "
           f"host microseconds after the first submit")
     for inline in (True, False):
