@@ -301,6 +301,9 @@ def _dlpack(self: Result, *, stream: Any = None, max_version: Any = None,
     from .dlpack import KDL_CPU, KDL_CUDA, export
 
     if self.device.kind != "cuda":
+        if stream is not None and (isinstance(stream, bool) or not isinstance(stream, int)):
+            raise InvalidArgument(f"__dlpack__(stream=...) takes None for host memory (or a "
+                                  f"stream handle, an int), got {stream!r}")
         if self.event is not None:
             self.event.synchronize()  # host consumers read at once
         view = _host_view(self, holder)

@@ -268,6 +268,9 @@ def test_host_bfloat16_exports_over_dlpack_with_its_own_code(host):
     assert (t.dtype.code, t.dtype.bits, t.device.device_type) == (4, 16, dlpack.KDL_CPU)
     assert [t.shape[i] for i in range(t.ndim)] == [3, 4]
     assert t.data == HostDevice.view(r.array).ctypes.data  # zero-copy
+    for bad in ("x", 1.5, True):
+        with pytest.raises(InvalidArgument, match="stream"):
+            r.__dlpack__(stream=bad)
 
 
 def test_from_host_rejects_unsupported_dtypes(device):
