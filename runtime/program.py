@@ -118,7 +118,8 @@ class Program:
             raise InvalidProgram("", f"a manifest of at most {MAX_MANIFEST_BYTES} bytes",
                                  len(raw))
         try:
-            doc = json.loads(raw, parse_constant=_reject_constant)
+            doc = json.loads(raw, parse_constant=_reject_constant,
+                             object_pairs_hook=_unique_keys)
         except (ValueError, RecursionError) as exc:
             raise InvalidProgram("", "well-formed JSON", str(exc)) from None
         constants: dict[str, np.ndarray] = {}
@@ -319,6 +320,17 @@ class MethodBuilder:
 
 def _reject_constant(name: str) -> None:
     raise ValueError(f"{name} is not valid JSON")
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object with a key twice is ambiguous (parsers keep the first, the last, or refuse):
+    refused, as NaN is."""
+    doc: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in doc:
+            raise ValueError(f"the key {key!r} appears twice in one object; keys must be unique")
+        doc[key] = value
+    return doc
 
 
 def _npz_safe(v: np.ndarray) -> np.ndarray:

@@ -191,6 +191,11 @@ def test_malformed_json_and_files(tmp_path):
         Program.load(write(tmp_path, "{not json"))
     with pytest.raises(InvalidProgram, match="JSON"):
         Program.load(write(tmp_path, '{"format": NaN}'))
+    text = json.dumps(manifest())
+    twice = text.replace('"name": "p"', '"name": "p", "name": "q"', 1)
+    assert twice != text
+    with pytest.raises(InvalidProgram, match="'name' appears twice"):
+        Program.load(write(tmp_path, twice))
     with pytest.raises(InvalidProgram, match="readable"):
         Program.load(tmp_path / "missing.json")
     path = write(tmp_path, manifest())
