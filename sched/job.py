@@ -175,19 +175,21 @@ class Job:
     def state(self) -> str:
         """``queued`` (waiting for its lane), ``running`` (enqueued on the device), ``done``,
         ``failed`` or ``cancelled`` (never ran: the scheduler left on an error)."""
-        self.lane.release(self)  # a job the loop kept: settled, or the waiter's from now on
+        self.lane.observe(self)  # settled here if the device has finished it
         if self._finished:
             return self._state
         return RUNNING if self._is_published and self._enqueue_error is None else QUEUED
 
     def done(self) -> bool:
-        """True once the job has finished, whatever the outcome (never blocks)."""
-        self.lane.release(self)
+        """True once the job has finished, whatever the outcome (never blocks). Agrees with the
+        device: a job the device has finished is done even if its completion has not reached
+        the loop yet."""
+        self.lane.observe(self)
         return self._finished
 
     def exception(self) -> BaseException | None:
         """The error of a finished job, or None (raises ``InvalidState`` while it runs)."""
-        self.lane.release(self)
+        self.lane.observe(self)
         if not self._finished:
             raise InvalidState(f"{self!r} has not finished; await it first")
         self._retrieved = True

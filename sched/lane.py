@@ -185,6 +185,18 @@ class Lane:
         if not self._complete_on_loop(job):
             self._hand(job)
 
+    def observe(self, job: Job) -> None:
+        """Loop thread, when user code looks at ``job`` (``done()``, ``state``,
+        ``exception()``): settle it here if the device has finished it, so what the loop sees
+        agrees with the device. Without this, a job could look unfinished after a job ordered
+        after it (``after=``, another lane) had been settled, until its own waiter reported it.
+        Elsewhere (a repr in a lane thread's message) it only does what ``release`` does."""
+        self.release(job)
+        if job._finished or not job._is_published or job._enqueue_error is not None or \
+                threading.get_ident() != self._core.waker.loop_thread:
+            return
+        self.settle_if_complete(job)
+
     def settle_if_complete(self, job: Job) -> bool:
         """Loop thread, at a later submit: settle a job the loop kept for its poll if it has
         completed. The query keeps the GIL (``Device.hold_gil``): a lane thread woken by this

@@ -72,10 +72,38 @@ async def test_a_dependent_waits_on_the_device_while_a_latch_holds_its_producer(
                 assert not b.event.query()  # on the device: the dependent has not run
                 latch.release()
                 (out,) = await b
-                # a finished on the device before b (a.done() may lag: a's lane reports it)
-                assert a.event.query()
+                assert a.event.query()  # a finished on the device before b
+                assert a.done()  # and done() says so, whenever a's own lane reports it
         np.testing.assert_array_equal(out.to_host(), 4 * x)
         assert b.span[0] >= a.span[1]  # timing events: b started after a ended
+
+
+async def test_done_agrees_with_the_device_when_a_waiter_reports_late(device, monkeypatch):
+    """done(), state and exception() settle a job the device has finished, instead of waiting
+    for its lane's waiter thread (here made to report half a second late) to say so."""
+    slow = spin_program(50_000, "slow").method("forward", device=device)
+    fast = double_program("fast").method("forward", device=device)
+    with anyio.fail_after(30):
+        async with Scheduler(device, lanes=2) as sched:
+            lane0 = sched.lanes[0]
+            wait = lane0._wait
+
+            def late(job):
+                wait(job)
+                time.sleep(0.5)
+
+            monkeypatch.setattr(lane0, "_wait", late)
+            a = await sched.submit(slow, [data(0)], lane=0)
+            b = await sched.submit(fast, [data(1)], lane=1, after=[a])
+            t = time.perf_counter()
+            await b
+            assert a.done() and a.state == "done" and a.exception() is None
+            (y,) = await a
+            assert time.perf_counter() - t < 0.4  # neither await waited for the late report
+            np.testing.assert_array_equal(y.to_host(), data(0))
+            stats = sched.statistics()
+        assert stats[0].completed == 1 and stats[0].in_flight == 0
+    assert sched.pending == 0
 
 
 async def test_the_loop_is_never_blocked_while_jobs_are_held(device):
