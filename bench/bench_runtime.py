@@ -38,6 +38,13 @@ from streamlane.runtime import method as method_module
 RNG = np.random.default_rng()
 
 
+def cupy_stream(cp: Any, stream: Any) -> Any:
+    """CuPy's view of a streamlane stream: through the CUDA stream protocol where CuPy has it
+    (``ExternalStream`` is deprecated there), else by handle."""
+    from_external = getattr(cp.cuda.Stream, "from_external", None)
+    return from_external(stream) if from_external else cp.cuda.ExternalStream(stream.handle)
+
+
 def rand(*shape: int) -> np.ndarray:
     return RNG.standard_normal(shape).astype(np.float32)
 
@@ -270,7 +277,7 @@ def split_program(dev: Any, width: int = 256, rows: int = 64) -> tuple[Program, 
         else:
             import cupy as cp
 
-            with cp.cuda.ExternalStream(stream.handle):
+            with cupy_stream(cp, stream):
                 cp.add(cp.asarray(ins[0]), 1.0, out=cp.asarray(outs[0]))
 
     def square(stream: Any, ins: list, outs: list) -> None:
@@ -279,7 +286,7 @@ def split_program(dev: Any, width: int = 256, rows: int = 64) -> tuple[Program, 
         else:
             import cupy as cp
 
-            with cp.cuda.ExternalStream(stream.handle):
+            with cupy_stream(cp, stream):
                 a = cp.asarray(ins[0])
                 cp.multiply(a, a, out=cp.asarray(outs[0]))
 

@@ -239,6 +239,13 @@ def test_execute_returns_while_the_stream_is_held(device):
 
 # -- rule 1: one stream per execute; the determinism test ------------------------------------
 
+def _cupy_stream(cp, stream):
+    """CuPy's view of a streamlane stream: through the CUDA stream protocol where CuPy has it
+    (``ExternalStream`` is deprecated there), else by handle."""
+    from_external = getattr(cp.cuda.Stream, "from_external", None)
+    return from_external(stream) if from_external else cp.cuda.ExternalStream(stream.handle)
+
+
 def split_program(device, width=64):
     """A program split across both backends (kernel and callable steps), each step with its own
     buffer. On the host device callables run numpy in stream order."""
@@ -248,7 +255,7 @@ def split_program(device, width=64):
             np.add(ins[0], 1.0, out=outs[0])
         else:
             cp = pytest.importorskip("cupy")
-            with cp.cuda.ExternalStream(stream.handle):
+            with _cupy_stream(cp, stream):
                 cp.add(cp.asarray(ins[0]), 1.0, out=cp.asarray(outs[0]))
 
     def square(stream, ins, outs):
@@ -256,7 +263,7 @@ def split_program(device, width=64):
             np.multiply(ins[0], ins[0], out=outs[0])
         else:
             cp = pytest.importorskip("cupy")
-            with cp.cuda.ExternalStream(stream.handle):
+            with _cupy_stream(cp, stream):
                 a = cp.asarray(ins[0])
                 cp.multiply(a, a, out=cp.asarray(outs[0]))
 
