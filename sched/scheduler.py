@@ -34,6 +34,8 @@ Guarantees:
 from __future__ import annotations
 
 import itertools
+import os
+import sys
 import threading
 import time
 import warnings
@@ -70,6 +72,18 @@ YIELD_EVERY_S = 0.0005
 
 def _nothing() -> None:
     return None
+
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` that makes a warning point at the first frame outside this package
+    (the user's ``submit`` or ``run``, through any number of our own frames)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.dirname(frame.f_code.co_filename) == _HERE:
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 class _MethodState:
@@ -366,7 +380,7 @@ class Scheduler:
                 f"queues, and the timing event after each job holds up the streams behind it, "
                 f"so overlap stops near {queues}x. For wider overlap create the Scheduler with "
                 f"timing=False (no timeline), or set CUDA_DEVICE_MAX_CONNECTIONS=32 before CUDA "
-                f"initializes", TimingStallWarning, stacklevel=4)
+                f"initializes", TimingStallWarning, stacklevel=_caller_level())
 
     def _pick_lane(self, method: Method, lane: int | None, state: _MethodState | None) -> Lane:
         if lane is not None:

@@ -64,6 +64,23 @@ async def test_more_busy_streams_than_hardware_queues_warn_once_at_the_submit(de
 
 
 @pytest.mark.anyio
+async def test_the_warning_points_at_the_users_run_too(device, monkeypatch):
+    monkeypatch.setattr(device, "hardware_queues", 1)
+    methods = [spin_program(SPIN_US, f"r{i}").method("forward", device=device) for i in range(2)]
+    streams = [device.create_stream() for _ in range(2)]
+    with anyio.fail_after(30), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        async with Scheduler(device, lanes=1) as sched:
+            first = await sched.submit(methods[0], [data(0)], stream=streams[0])
+            await sched.run(methods[1], [data(1)], stream=streams[1])  # the second busy stream
+            await first
+    stalls = _stalls(caught)
+    assert len(stalls) == 1 and stalls[0].filename == __file__
+    for stream in streams:
+        stream.close()
+
+
+@pytest.mark.anyio
 async def test_as_many_busy_streams_as_queues_do_not_warn(device, monkeypatch):
     monkeypatch.setattr(device, "hardware_queues", 3)
     assert not _stalls(await _burst(device, 3))
