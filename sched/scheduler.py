@@ -342,7 +342,13 @@ class Scheduler:
         if inline:
             lane.run_inline(job)
             if job._loop_owned:
-                self._loop_job = job
+                assert lane.slots is not None
+                if lane.slots.value == 0:
+                    # It holds the lane's last slot, and a submit may already be waiting for
+                    # room: only a settle frees it, so the waiter must see it through.
+                    lane.release(job)
+                else:
+                    self._loop_job = job
         else:
             lane.put(job)
         return job

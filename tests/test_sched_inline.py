@@ -322,6 +322,43 @@ async def test_a_lone_job_nobody_awaits_still_finishes(device):
     np.testing.assert_allclose(y.to_host(), 2 * data(4), rtol=1e-6)
 
 
+async def test_a_submit_already_waiting_for_room_gets_it_when_a_lone_job_finishes(device):
+    """queue_size=1: a and then b wait for room behind a held job. When it finishes, a gets
+    the slot and, nothing else pending, is lone: had the loop kept it for a poll nobody does,
+    its slot would never come free and b would wait forever."""
+    held_method = double_program("held").method("forward", device=device)
+    lone_method = double_program("lone").method("forward", device=device)
+    other = double_program("other").method("forward", device=device)
+    held, stream = device.create_stream(), device.create_stream()
+    x = on_device(data(7), device)
+    box = {}
+    with anyio.fail_after(30):
+        async with Scheduler(device, lanes=1, queue_size=1) as sched:
+            with device.create_latch() as latch:
+                latch.hold(held)
+                first = await sched.submit(held_method, [x], stream=held)
+
+                async def submit_a():
+                    box["a"] = await sched.submit(lone_method, [x], stream=stream)
+
+                async def submit_b():
+                    box["b"] = await sched.submit(other, [data(8)])
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(submit_a)
+                    await anyio.sleep(0.02)  # a waits for room first
+                    tg.start_soon(submit_b)
+                    await anyio.sleep(0.02)
+                    latch.release()
+                    with anyio.fail_after(5):  # b gets its slot without anyone awaiting a
+                        while "b" not in box:
+                            await anyio.sleep(0.005)
+            for job, want in ((first, x), (box["a"], x), (box["b"], data(8))):
+                (y,) = await job
+                np.testing.assert_allclose(y.to_host(), 2 * np.asarray(
+                    want.to_host() if isinstance(want, Result) else want), rtol=1e-6)
+
+
 async def test_a_submit_settles_a_completed_lone_job_and_is_lone_in_turn(device,
                                                                          executing_threads):
     """Many tasks awaiting small jobs on caller streams relay through the lone-job path: a
