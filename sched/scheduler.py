@@ -333,8 +333,11 @@ class Scheduler:
                 state.lane = lane
             state.last = weakref.ref(job)
         job._calls = state.calls
+        # Nothing pending here does not mean nothing to wait for: a dependency may be a job of
+        # another scheduler, not yet enqueued; the loop must never wait for it.
         inline = stream is not None and self.inline and not self._pending and \
-            self._can_run_inline(values, state.kernels_only)
+            self._can_run_inline(values, state.kernels_only) and \
+            all(dep._is_published for dep in job._host_waits)
         self._pending.add(job)
         lane.outstanding += 1
         if self._queues is not None:

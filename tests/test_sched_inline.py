@@ -359,6 +359,32 @@ async def test_a_submit_already_waiting_for_room_gets_it_when_a_lone_job_finishe
                     want.to_host() if isinstance(want, Result) else want), rtol=1e-6)
 
 
+async def test_a_dependency_on_another_schedulers_job_never_blocks_the_loop(device):
+    """Nothing pending in this scheduler, but after= names a job of another one that its lane
+    has not enqueued yet (a Gate holds that lane in set_inputs): the job must not be enqueued
+    by the loop, which would wait for it there. A timer thread opens the gate after 1 s so the
+    unfixed code ends instead of deadlocking."""
+    first = double_program("first").method("forward", device=device)
+    second = double_program("second").method("forward", device=device)
+    stream = device.create_stream()
+    gate = Gate(data(10))
+    with anyio.fail_after(30):
+        async with Scheduler(device, lanes=1) as one, Scheduler(device, lanes=1) as two:
+            a = await one.submit(first, [gate])
+            await anyio.to_thread.run_sync(gate.entered.wait, 5)
+            timer = threading.Timer(1.0, gate.open)
+            timer.start()
+            t = time.perf_counter()
+            b = await two.submit(second, [a.outputs[0]], after=[a], stream=stream)
+            took = time.perf_counter() - t
+            gate.open()
+            timer.cancel()
+            (y,) = await b
+            await a
+    assert took < 0.5, f"submit held the event loop for {took:.2f} s"
+    np.testing.assert_allclose(y.to_host(), 4 * data(10), rtol=1e-6)
+
+
 async def test_a_submit_settles_a_completed_lone_job_and_is_lone_in_turn(device,
                                                                          executing_threads):
     """Many tasks awaiting small jobs on caller streams relay through the lone-job path: a
