@@ -295,6 +295,13 @@ class Scheduler:
             except BaseException:
                 slots.release()
                 raise
+            # Other submits may have bound or moved the method meanwhile: its lane and its last
+            # job are read again (a stale "new method" would let two lanes drive it at once),
+            # and a submit that asked for no lane follows the method to its lane.
+            state = self._methods.get(method)
+            if lane is None and state is not None and state.lane is not target:
+                slots.release()
+                return await self.submit(method, inputs, after=after, stream=stream)
         return self._enqueue(method, values, target, after_jobs, stream, state)
 
     async def run(self, method: Method, inputs: Sequence[Any], *, lane: int | None = None,

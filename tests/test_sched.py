@@ -106,6 +106,76 @@ async def test_done_agrees_with_the_device_when_a_waiter_reports_late(device, mo
     assert sched.pending == 0
 
 
+async def test_a_submit_that_waited_for_room_sees_where_the_method_went_meanwhile(device):
+    """a's first submit of a new method (no lane asked for) picks lane 0 and waits for room;
+    meanwhile b binds the method to lane 1, where a Gate holds it in set_inputs. Once a gets
+    room it must not drive the method from lane 0 as if it were still new (two lanes at once:
+    InvalidState, or unordered work): it follows the method to lane 1, behind b's job. With
+    lane=0 asked for, the same race is a move, ordered after b's job (rule 4)."""
+    method = double_program("m").method("forward", device=device)
+    fillers = [double_program(f"filler{i}").method("forward", device=device) for i in range(2)]
+    held = [device.create_stream(), device.create_stream()]
+    gate = Gate(data(2))
+    box = {}
+    with anyio.fail_after(30):
+        async with Scheduler(device, lanes=2, queue_size=1) as sched:
+            with device.create_latch() as latch0, device.create_latch() as latch1:
+                latch0.hold(held[0])
+                latch1.hold(held[1])
+                for i in range(2):  # both lanes full; a tie, so a new method picks lane 0
+                    await sched.submit(fillers[i], [data(0)], lane=i, stream=held[i])
+
+                async def first():
+                    box["a"] = await sched.submit(method, [data(1)])
+
+                async def second():
+                    box["b"] = await sched.submit(method, [gate], lane=1)
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(first)
+                    await anyio.sleep(0.05)
+                    tg.start_soon(second)
+                    await anyio.sleep(0.05)
+                    latch1.release()  # b gets room on lane 1 and binds the method there
+                    await anyio.to_thread.run_sync(gate.entered.wait, 5)
+                    latch0.release()  # now a gets room on lane 0
+                    await anyio.sleep(0.1)
+                    gate.open()
+            (ya,), (yb,) = await box["a"], await box["b"]
+            assert box["a"].lane.index == 1
+    np.testing.assert_array_equal(yb.to_host(), 2 * data(2))
+    np.testing.assert_array_equal(ya.to_host(), 2 * data(1))
+
+
+async def test_an_explicit_lane_after_waiting_for_room_is_a_move_ordered_after_the_rest(device):
+    method = double_program("m").method("forward", device=device)
+    filler = double_program("filler").method("forward", device=device)
+    held = device.create_stream()
+    gate = Gate(data(2))
+    box = {}
+    with anyio.fail_after(30):
+        async with Scheduler(device, lanes=2, queue_size=1) as sched:
+            with device.create_latch() as latch:
+                latch.hold(held)
+                await sched.submit(filler, [data(0)], lane=0, stream=held)  # lane 0 is full
+
+                async def first():
+                    box["a"] = await sched.submit(method, [data(1)], lane=0)
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(first)
+                    await anyio.sleep(0.05)  # a waits for room on lane 0
+                    b = await sched.submit(method, [gate], lane=1)
+                    await anyio.to_thread.run_sync(gate.entered.wait, 5)
+                    latch.release()
+                    await anyio.sleep(0.1)
+                    gate.open()
+            (ya,), (yb,) = await box["a"], await b
+            assert box["a"].lane.index == 0
+    np.testing.assert_array_equal(yb.to_host(), 2 * data(2))
+    np.testing.assert_array_equal(ya.to_host(), 2 * data(1))
+
+
 async def test_the_loop_is_never_blocked_while_jobs_are_held(device):
     method = double_program().method("forward", device=device)
     other = double_program("other").method("forward", device=device)
