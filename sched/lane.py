@@ -40,7 +40,7 @@ from streamlane.runtime.errors import DeviceError
 from streamlane.runtime.stream import no_caller_stream
 
 from .errors import DependencyFailed, SchedulerClosed
-from .job import CANCELLED, FAILED, Job, JobOutput
+from .job import CANCELLED, DONE, FAILED, Job, JobOutput
 from .timeline import Span
 
 if TYPE_CHECKING:
@@ -195,7 +195,12 @@ class Lane:
         if job._finished or not job._is_published or job._enqueue_error is not None or \
                 threading.get_ident() != self._core.waker.loop_thread:
             return
-        self.settle_if_complete(job)
+        if not job._claimed:
+            self.settle_if_complete(job)
+        elif _complete(job):
+            # The waiter has counted it and posted its settle, which the loop has not run yet
+            # (a busy loop): finish it now; the posted call then finds it finished.
+            self._core.finish(job, DONE, None)
 
     def settle_if_complete(self, job: Job) -> bool:
         """Loop thread, at a later submit: settle a job the loop kept for its poll if it has

@@ -176,6 +176,34 @@ async def test_an_explicit_lane_after_waiting_for_room_is_a_move_ordered_after_t
     np.testing.assert_array_equal(ya.to_host(), 2 * data(1))
 
 
+async def test_done_agrees_with_the_device_while_the_loop_is_busy(device):
+    """The loop is busy (0.2 s without yielding) while a and then b (after=[a], another lane)
+    finish on the device. Lane 0's waiter has claimed a and posted its settle, which the busy
+    loop has not run; lane 1's waiter is stuck behind a held job, so nothing has claimed b.
+    Looking at b settles it; looking at a must then not say a is still running."""
+    slow = spin_program(20_000, "slow").method("forward", device=device)
+    fast = double_program("fast").method("forward", device=device)
+    other = double_program("other").method("forward", device=device)
+    held = device.create_stream()
+    with anyio.fail_after(30):
+        async with Scheduler(device, lanes=2) as sched:
+            with device.create_latch() as latch:
+                latch.hold(held)
+                c = await sched.submit(other, [data(0)], lane=1, stream=held)
+                a = await sched.submit(slow, [data(1)], lane=0)
+                b = await sched.submit(fast, [data(2)], lane=1, after=[a])
+                time.sleep(0.2)  # a busy loop: no task, no posted call runs meanwhile
+                seen = (b.done(), a.done(), a.state)
+                latch.release()
+                await c
+            (ya,), (yb,) = await a, await b
+            stats = sched.statistics()
+    assert seen == (True, True, "done"), seen
+    assert [s.completed for s in stats] == [1, 2] and all(s.in_flight == 0 for s in stats)
+    np.testing.assert_array_equal(ya.to_host(), data(1))
+    np.testing.assert_array_equal(yb.to_host(), 2 * data(2))
+
+
 async def test_the_loop_is_never_blocked_while_jobs_are_held(device):
     method = double_program().method("forward", device=device)
     other = double_program("other").method("forward", device=device)
