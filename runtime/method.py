@@ -245,8 +245,13 @@ class Method:
         return _Foreign(source, obj, cai.get("stream"), gather, meta)
 
     # -- execution -----------------------------------------------------------------------
-    def execute(self) -> None:
-        """Enqueue every step on this thread's resolved stream. Never waits on the host."""
+    def execute(self, *, start: Event | None = None) -> None:
+        """Enqueue every step on this thread's resolved stream. Never waits on the host.
+
+        ``start``: an event to record on that stream once this execute's device waits (the
+        rule-4 handoff, inputs produced on other streams, output buffers still being read) are
+        enqueued, just before its first step: where its own work starts (the scheduler's
+        timing events)."""
         if not self._guard.acquire(blocking=False):
             raise _busy(self, "execute")
         try:
@@ -287,6 +292,8 @@ class Method:
             if not pooled:
                 for j, view in enumerate(self._views):
                     arrays[first + j] = view
+            if start is not None:
+                stream.record(start)
             if _PRIVATE_STREAM_PER_STEP:
                 for index, (run, ins, outs) in enumerate(self._steps):
                     run(self._private_stream(index), [arrays[k] for k in ins],

@@ -315,10 +315,12 @@ class Lane:
             for dep in device_waits:  # no host round trip: the stream waits on the device
                 if dep.event is not None and dep._stream_key != stream.key:
                     stream.wait(dep.event)
-            start = stream.record(self._timing_event()) if core.timing else None
+            # The start event is recorded by execute, after its own device waits (a rule-4
+            # handoff, inputs from other streams): a span covers the job's work, not its waits.
+            start = self._timing_event() if core.timing else None
             method = job.method
             method.set_inputs(inputs)
-            method.execute()
+            method.execute(start=start)
             results = method.get_outputs()
             # Without timing, the method's own end-of-execute event (recorded last on this
             # stream; it does not move while the job holds the outputs) marks completion. With

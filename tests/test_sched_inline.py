@@ -34,9 +34,9 @@ def executing_threads(monkeypatch):
     seen: dict[str, list[int]] = {}
     real = Method.execute
 
-    def execute(self):
+    def execute(self, **options):
         seen.setdefault(self.name, []).append(threading.get_ident())
-        real(self)
+        real(self, **options)
 
     monkeypatch.setattr(Method, "execute", execute)
     return seen

@@ -119,6 +119,26 @@ async def test_the_trace_is_valid_json_with_one_track_per_lane_and_the_plot_is_a
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.anyio
+async def test_a_span_starts_after_the_jobs_device_waits(device):
+    """A method run on a caller stream and then on its lane's stream: the second job waits on
+    the device for the first (rule 4). Its span starts when its own work can start, so two
+    jobs that ran one after the other do not look like overlap."""
+    method = spin_program(20_000, "handoff").method("forward", device=device)
+    stream = device.create_stream()
+    with anyio.fail_after(30):
+        async with Scheduler(device, lanes=1) as sched:
+            await sched.run(method, [data(0)])  # warm
+            sched.clear_timeline()
+            first = await sched.submit(method, [data(1)], stream=stream)
+            second = await sched.submit(method, [data(2)])  # the lane's own stream
+            await second
+            await first
+            timeline = sched.timeline()
+    assert second.span[0] >= first.span[1] - 1e-4, (first.span, second.span)
+    assert timeline.overlap() < 1.1
+
+
 @pytest.mark.parametrize("bad", [None, 5, ["trace.json"]])
 def test_exports_take_a_file_path(bad):
     timeline = Timeline([Span(0, "a", 0, "lane 0", 0.0, 1.0)])
