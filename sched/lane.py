@@ -286,27 +286,23 @@ class Lane:
         """Enqueue ``job`` on the device and publish it; True once it is in flight (False: it
         failed or was cancelled before reaching the device, and is reported as such)."""
         core = self._core
-        broken = core.broken_error()
-        if broken is not None:
-            self._not_run(job, FAILED, broken)
-            return False
-        if core.cancelling:
-            self._not_run(job, CANCELLED, SchedulerClosed(
-                f"{job!r} was cancelled before it ran: the scheduler left its async with block "
-                f"on an error"))
+        if self._refused(job):
             return False
         guard = None
         try:
-            for dep in job._host_waits:
+            for dep in job._host_waits:  # jobs of other lanes (and a moved method's last job)
                 self._wait_published(dep)
-                if dep._enqueue_error is not None:
-                    raise DependencyFailed(job, dep, dep._enqueue_error) \
-                        from dep._enqueue_error
+            if job._host_waits and self._refused(job):  # it may have broken or closed meanwhile
+                return False
             inputs = job._inputs
             assert inputs is not None
-            device_waits = job._device_waits  # the producers of its JobOutputs among them
+            device_waits = job._device_waits  # after= and the producers of its JobOutputs
             if device_waits:
-                inputs = [v.job.results[v.index] if type(v) is JobOutput else v for v in inputs]
+                for dep in device_waits:  # all enqueued by now (this lane runs in order)
+                    if dep._enqueue_error is not None:
+                        raise DependencyFailed(job, dep, dep._enqueue_error) \
+                            from dep._enqueue_error
+                inputs = [_produced(job, v) if type(v) is JobOutput else v for v in inputs]
             stream = lane_stream
             if job.stream is not None:
                 guard = CallerStream(job.stream)
@@ -347,6 +343,20 @@ class Lane:
             self._queued_calls += job._calls
         job._publish(end, results, None)
         return True
+
+    def _refused(self, job: Job) -> bool:
+        """Report ``job`` as not run if the scheduler broke or is cancelling its queue."""
+        core = self._core
+        broken = core.broken_error()
+        if broken is not None:
+            self._not_run(job, FAILED, broken)
+            return True
+        if core.cancelling:
+            self._not_run(job, CANCELLED, SchedulerClosed(
+                f"{job!r} was cancelled before it ran: the scheduler left its async with block "
+                f"on an error"))
+            return True
+        return False
 
     def _hand(self, job: Job) -> None:
         """Give a job in flight to the waiter thread."""
@@ -508,6 +518,16 @@ class Lane:
 
 
 _NOTHING = object()
+
+
+def _produced(job: Job, output: JobOutput) -> Any:
+    """The Result behind ``output``, an input of ``job``; its producer is enqueued."""
+    producer = output.job
+    results = producer.results
+    if results is None:  # it failed after reaching the device: its outputs were let go
+        error = producer._error or DeviceError(f"{producer!r} left no outputs")
+        raise DependencyFailed(job, producer, error) from error
+    return results[output.index]
 
 
 def _complete(job: Job) -> bool:

@@ -395,6 +395,30 @@ async def test_leaving_on_an_error_cancels_jobs_not_yet_enqueued(device):
             await job
 
 
+async def test_leaving_on_an_error_cancels_a_job_waiting_for_another_lane_too(device):
+    """b (lane 1, after=[a]) already waits on its lane thread for a, queued on lane 0 behind a
+    held job, when the block raises: a is cancelled, and so is b (it never ran either), not
+    failed with DependencyFailed."""
+    method = double_program().method("forward", device=device)
+    other = double_program("other").method("forward", device=device)
+    gate = Gate(data(0))
+    opener = threading.Timer(0.2, gate.open)
+    with anyio.fail_after(30), pytest.raises(RuntimeError, match="boom"):
+        async with Scheduler(device, lanes=2) as sched:
+            held = await sched.submit(method, [gate], lane=0)
+            a = await sched.submit(method, [data(1)], lane=0)
+            b = await sched.submit(other, [data(2)], lane=1, after=[a])
+            assert gate.entered.wait(5)
+            await anyio.sleep(0.05)  # b's lane thread is waiting for a to be enqueued
+            opener.start()
+            raise RuntimeError("boom")
+    opener.join()
+    assert [held.state, a.state, b.state] == ["done", "cancelled", "cancelled"]
+    for job in (a, b):
+        with pytest.raises(SchedulerClosed, match="cancelled before it ran"):
+            await job
+
+
 async def test_threads_are_joined_on_exit_and_closing_twice_is_a_no_op(device):
     method = double_program().method("forward", device=device)
     await anyio.to_thread.run_sync(lambda: None)  # anyio's worker thread belongs in the baseline

@@ -50,20 +50,63 @@ async def test_a_device_failure_fails_every_pending_job_and_breaks_the_scheduler
                     await sched.submit(first, [data(2)])
 
 
-async def test_a_refused_input_fails_its_job_and_its_dependents_only(host):
+@pytest.mark.parametrize("dependent_lane", [1, 0], ids=["other lane", "same lane"])
+@pytest.mark.parametrize("how", ["output", "after"])
+async def test_a_refused_input_fails_its_job_and_its_dependents_only(host, dependent_lane, how):
+    """On its own lane too: there the dependent is enqueued after the refused job without a
+    host wait, and once read its JobOutput as None (TypeError) or ran after= it as if done."""
     method = double_program().method("forward", device=host)
     other = double_program("other").method("forward", device=host)
     async with Scheduler(host, lanes=2) as sched:
         bad = await sched.submit(method, [np.zeros((3, 3), np.float32)], lane=0)
-        dependent = await sched.submit(other, [bad.outputs[0]], lane=1)
+        dependent = await sched.submit(
+            other, [bad.outputs[0]] if how == "output" else [data(4)], lane=dependent_lane,
+            after=[bad] if how == "after" else ())
         with pytest.raises(InvalidInput, match=r"input 0 of method 'double\.forward'"):
             await bad
         with pytest.raises(DependencyFailed, match="depends on") as info:
             await dependent
-        assert info.value.dependency is bad
+        assert info.value.dependency is bad and dependent.state == "failed"
         (out,) = await sched.run(method, [data(3)])  # the scheduler goes on
         assert sched.broken is None
     np.testing.assert_array_equal(out.to_host(), 2 * data(3))
+
+
+async def test_a_method_moved_after_a_refused_job_runs(host):
+    """The move waits for the method's last job to be enqueued (rule 4), but that job is no
+    dependency: its refusal does not fail the next one."""
+    method = double_program().method("forward", device=host)
+    async with Scheduler(host, lanes=2) as sched:
+        bad = await sched.submit(method, [np.zeros((3, 3), np.float32)], lane=0)
+        moved = await sched.submit(method, [data(5)], lane=1)
+        with pytest.raises(InvalidInput):
+            await bad
+        (out,) = await moved
+    np.testing.assert_array_equal(out.to_host(), 2 * data(5))
+
+
+async def test_an_output_of_a_job_the_device_failed_is_a_dependency_failure(host):
+    """A job failed by a device fault lets its outputs go; a later scheduler given one of its
+    JobOutputs (after the host device's reset) fails the consumer with DependencyFailed."""
+    method = double_program().method("forward", device=host)
+    other = double_program("other").method("forward", device=host)
+    held = host.create_stream()
+    with anyio.fail_after(30):
+        async with Scheduler(host, lanes=1) as broken:
+            with host.create_latch() as latch:
+                latch.hold(held)
+                host.inject_failure(held, "injected kernel fault")
+                failed = await broken.submit(method, [data(0)], stream=held)
+                latch.release()
+                with pytest.raises(SchedulerBroken):
+                    await failed
+        host.reset_error()
+        async with Scheduler(host, lanes=1) as sched:
+            consumer = await sched.submit(other, [failed.outputs[0]])
+            with pytest.raises(DependencyFailed) as info:
+                await consumer
+            assert info.value.dependency is failed
+            assert isinstance(info.value.__cause__, SchedulerBroken)
 
 
 async def test_an_unobserved_failure_is_raised_on_exit(host):
