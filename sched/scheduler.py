@@ -141,6 +141,7 @@ class Scheduler:
                                              for i in range(lanes))
         self.waker: LoopWaker  # set on entry, inside the running loop
         self._state = _NEW
+        self._closed: anyio.Event | None = None  # set once a close has joined every thread
         self._cancelling = False
         self._broken: SchedulerBroken | None = None
         self._broken_lock = threading.Lock()
@@ -211,26 +212,37 @@ class Scheduler:
         await self._close(error=False)
 
     async def _close(self, error: bool) -> None:
-        if self._state in (_CLOSED, _CLOSING):
+        if self._state == _CLOSED:
+            return
+        if self._state == _CLOSING:  # another task is closing: return when it is done
+            if error:
+                self._cancelling = True
+            assert self._closed is not None
+            with anyio.CancelScope(shield=True):
+                await self._closed.wait()
             return
         if self._state == _NEW:
             self._state = _CLOSED
             return
         self._state = _CLOSING
+        self._closed = anyio.Event()
         self._release_loop_job()
         with anyio.CancelScope(shield=True):
-            if error:
-                self._cancelling = True
-            while self._pending:
-                await next(iter(self._pending))._wait_done()
-            for lane in self.lanes:
-                lane.stop()
-            for lane in self.lanes:
-                if lane.thread.ident is not None:
-                    assert lane.exited is not None
-                    await lane.exited.wait()
-                lane.join()
-            self._state = _CLOSED
+            try:
+                if error:
+                    self._cancelling = True
+                while self._pending:
+                    await next(iter(self._pending))._wait_done()
+                for lane in self.lanes:
+                    lane.stop()
+                for lane in self.lanes:
+                    if lane.thread.ident is not None:
+                        assert lane.exited is not None
+                        await lane.exited.wait()
+                    lane.join()
+            finally:
+                self._state = _CLOSED
+                self._closed.set()
         if not error:
             unobserved = [job for job in self._unobserved if not job._retrieved]
             self._unobserved.clear()

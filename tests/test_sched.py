@@ -435,6 +435,31 @@ async def test_threads_are_joined_on_exit_and_closing_twice_is_a_no_op(device):
     assert "closed" in repr(sched)
 
 
+async def test_a_second_aclose_while_the_first_drains_returns_when_it_is_done(device):
+    method = double_program().method("forward", device=device)
+    held = device.create_stream()
+    returned = []
+    with anyio.fail_after(30):
+        sched = Scheduler(device, lanes=1)
+        await sched.__aenter__()
+        with device.create_latch() as latch:
+            latch.hold(held)
+            job = await sched.submit(method, [data(0)], stream=held)
+
+            async def close(name):
+                await sched.aclose()
+                returned.append((name, job.done(), sched.lanes[0].thread.is_alive()))
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(close, "first")
+                await anyio.sleep(0.05)
+                tg.start_soon(close, "second")
+                await anyio.sleep(0.05)
+                assert returned == [], "an aclose returned while the job was still held"
+                latch.release()
+    assert sorted(returned) == [("first", True, False), ("second", True, False)]
+
+
 async def test_submit_outside_the_context_raises(device):
     method = double_program().method("forward", device=device)
     sched = Scheduler(device, lanes=1)
