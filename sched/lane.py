@@ -286,7 +286,7 @@ class Lane:
         """Enqueue ``job`` on the device and publish it; True once it is in flight (False: it
         failed or was cancelled before reaching the device, and is reported as such)."""
         core = self._core
-        if self._refused(job):
+        if (core.cancelling or core.broken_error() is not None) and self._refused(job):
             return False
         guard = None
         try:

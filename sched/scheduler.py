@@ -356,7 +356,7 @@ class Scheduler:
         # another scheduler, not yet enqueued; the loop must never wait for it.
         inline = stream is not None and self.inline and not self._pending and \
             self._can_run_inline(values, state.kernels_only) and \
-            all(dep._is_published for dep in job._host_waits)
+            (not host_waits or all(dep._is_published for dep in host_waits))
         self._pending.add(job)
         lane.outstanding += 1
         if self._queues is not None:
@@ -364,8 +364,7 @@ class Scheduler:
         if inline:
             lane.run_inline(job)
             if job._loop_owned:
-                assert lane.slots is not None
-                if lane.slots.value == 0:
+                if lane.outstanding >= lane.queue_size:  # no slot left (slots.value == 0)
                     # It holds the lane's last slot, and a submit may already be waiting for
                     # room: only a settle frees it, so the waiter must see it through.
                     lane.release(job)
