@@ -150,7 +150,7 @@ class Lane:
                 # waiter too would race the poll for the GIL the moment the event completes and
                 # put the thread hop back on the await's path. ``release`` hands it over once
                 # the poll gives up or anything else needs it settled
-                # (``Scheduler._settle_loop_job``, ``_release_loop_job``).
+                # (``Scheduler._settle_loop_job``, ``_release_loop_job``, ``_enqueue``).
                 job._loop_owned = True
             else:
                 self._hand(job)

@@ -297,7 +297,7 @@ class Scheduler:
         slots = target.slots
         assert slots is not None
         if self._loop_job is not None:
-            self._settle_loop_job(target)
+            self._settle_loop_job()
         try:
             slots.acquire_nowait()
         except anyio.WouldBlock:
@@ -364,14 +364,14 @@ class Scheduler:
         if inline:
             lane.run_inline(job)
             if job._loop_owned:
-                if lane.outstanding >= lane.queue_size:  # no slot left (slots.value == 0)
-                    # It holds the lane's last slot, and a submit may already be waiting for
-                    # room: only a settle frees it, so the waiter must see it through.
-                    lane.release(job)
-                else:
-                    self._loop_job = job
+                self._loop_job = job
         else:
             lane.put(job)
+        kept = self._loop_job
+        if kept is not None and kept.lane is lane and lane.outstanding >= lane.queue_size:
+            # A job the loop keeps for its poll never holds a full lane's slot: a submit may be
+            # waiting for room (or come to wait), and only a settle frees it.
+            self._release_loop_job()
         return job
 
     @staticmethod
@@ -454,19 +454,16 @@ class Scheduler:
         if self._state != _OPEN:
             raise SchedulerClosed(f"{self!r} is closed; no new work is accepted")
 
-    def _settle_loop_job(self, target: Lane) -> None:
+    def _settle_loop_job(self) -> None:
         """Before another submit: settle the lone job the loop kept if it has completed (the
         new job may then be lone in turn). If it has not, leave it to its ``await``: handing it
         to the waiter now would wake that thread in the middle of a burst (H200: up to ~8% of a
-        burst's wall time) — unless the new job needs the slot it holds."""
+        burst's wall time). It never holds a slot a submit could wait for (``_enqueue``)."""
         job = self._loop_job
         if job is None:
             return
         if job._loop_owned and not job.lane.settle_if_complete(job):
-            assert target.slots is not None
-            if job.lane is not target or target.slots.value > 0:
-                return
-            job.lane.release(job)
+            return
         self._loop_job = None
 
     def _release_loop_job(self) -> None:
