@@ -81,6 +81,8 @@ class _Core(Protocol):
 
     @property
     def cancelling(self) -> bool: ...
+    @property
+    def broken(self) -> BaseException | None: ...
     def count_pending(self) -> int: ...
     async def checkpoint(self) -> None: ...
     async def yield_to_loop(self) -> None: ...
@@ -190,10 +192,11 @@ class Lane:
         ``exception()``): settle it here if the device has finished it, so what the loop sees
         agrees with the device. Without this, a job could look unfinished after a job ordered
         after it (``after=``, another lane) had been settled, until its own waiter reported it.
-        Elsewhere (a repr in a lane thread's message) it only does what ``release`` does."""
+        Elsewhere (a repr in a lane thread's message) it does nothing."""
+        if threading.get_ident() != self._core.waker.loop_thread:
+            return
         self.release(job)
-        if job._finished or not job._is_published or job._enqueue_error is not None or \
-                threading.get_ident() != self._core.waker.loop_thread:
+        if job._finished or not job._is_published or job._enqueue_error is not None:
             return
         if not job._claimed:
             self.settle_if_complete(job)
@@ -214,11 +217,7 @@ class Lane:
             self.device.hold_gil(previous)
 
     def _complete_on_loop(self, job: Job) -> bool:
-        event = job.event
-        try:
-            if event is None or not event.query():
-                return False
-        except Exception:  # a device error: the waiter's blocking wait reports it
+        if not _complete(job):
             return False
         self._settle([job], None, on_loop=True)
         job._loop_owned = False  # settled: nothing left to hand to the waiter
@@ -286,7 +285,7 @@ class Lane:
         """Enqueue ``job`` on the device and publish it; True once it is in flight (False: it
         failed or was cancelled before reaching the device, and is reported as such)."""
         core = self._core
-        if (core.cancelling or core.broken_error() is not None) and self._refused(job):
+        if self._refused(job):
             return False
         guard = None
         try:
@@ -347,6 +346,8 @@ class Lane:
     def _refused(self, job: Job) -> bool:
         """Report ``job`` as not run if the scheduler broke or is cancelling its queue."""
         core = self._core
+        if not core.cancelling and core.broken is None:  # the common case: no copy made
+            return False
         broken = core.broken_error()
         if broken is not None:
             self._not_run(job, FAILED, broken)
