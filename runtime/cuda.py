@@ -191,7 +191,7 @@ def _max_connections(value: str | None) -> int:
         n = int(value) if value is not None else 8
     except ValueError:
         return 8
-    return min(max(n, 1), 32) if n > 0 else 8
+    return min(n, 32) if n > 0 else 8  # the driver's default for 0 or less, at most 32
 
 
 def _short_calls() -> _ShortCalls | None:
