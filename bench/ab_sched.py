@@ -10,11 +10,11 @@ relay when the order was fixed (``sched-ab-cuda.txt``).
     git archive 45138ea sched | (mkdir -p /tmp/s45 && tar -x -C /tmp/s45 --strip-components=1)
     python bench/ab_sched.py --version base=/tmp/s45 --rounds 6
 
-Measures, per loop: the p50 await of a lone caller-stream job (``bench_sched.py`` (a),
-"caller stream"); the wall time of bursts of 8 single-block 200 us spins on 8 caller streams,
-with the lane thread enqueuing them and by default; and the relay (500 tasks awaiting tiny
-programs on 4 caller streams, ``bench_sched.py`` (c)). Prints one line per figure: the median
-over the rounds for each version.
+Measures, per loop: the p50 and mean await of a lone caller-stream job (``bench_sched.py``
+(a), "caller stream"); the wall time of bursts of 8 single-block 200 us spins on 8 caller
+streams, with the lane thread enqueuing them and by default; and the relay (500 tasks awaiting
+tiny programs on 4 caller streams, ``bench_sched.py`` (c)): programs/s and the p99 await.
+Prints one line per figure: the median over the rounds for each version.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     one.to_host()
     streams = [dev.create_stream() for _ in range(8)]
 
-    async def lone(scheduler: Any) -> float:
+    async def lone(scheduler: Any) -> tuple[float, float]:
         async with scheduler(dev, lanes=1, timing=False) as sched:
             for _ in range(200):
                 await sched.run(tiny, [x], stream=streams[0])
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
                 t = time.perf_counter_ns()
                 await sched.run(tiny, [x], stream=streams[0])
                 ns.append(time.perf_counter_ns() - t)
-            return float(np.percentile(ns, 50)) / 1e3
+            return float(np.percentile(ns, 50)) / 1e3, float(np.mean(ns)) / 1e3
 
     async def burst(scheduler: Any, inline: bool) -> float:
         async with scheduler(dev, lanes=1, timing=False, inline=inline) as sched:
@@ -97,41 +97,47 @@ def main(argv: list[str] | None = None) -> int:
                 await anyio.sleep(0.001)
             return float(np.median(walls)) / 1e3
 
-    async def relay(scheduler: Any) -> float:
+    async def relay(scheduler: Any) -> tuple[float, float]:
         methods = [tiny_program(256).method("forward", device=dev) for _ in range(4)]
         async with scheduler(dev, lanes=4, timing=False) as sched:
             for i, method in enumerate(methods):
                 await sched.run(method, [x], stream=streams[i])
 
+            ns: list[int] = []
+
             async def worker(i: int) -> None:
                 for _ in range(10):
+                    t = time.perf_counter_ns()
                     await sched.run(methods[i % 4], [x], stream=streams[i % 4])
+                    ns.append(time.perf_counter_ns() - t)
 
             t = time.perf_counter()
             async with anyio.create_task_group() as tg:
                 for i in range(500):
                     tg.start_soon(worker, i)
-            return 5000 / (time.perf_counter() - t)
+            return 5000 / (time.perf_counter() - t), float(np.percentile(ns, 99)) / 1e6
 
-    figures = {"lone": [("lone await p50 us", lone, ())],
-               "burst": [("burst of 8, lane enqueues, wall us", burst, (False,)),
-                         ("burst of 8, default, wall us", burst, (True,))],
-               "relay": [("relay programs/s", relay, ())]}
+    # Each figure's function returns one value per title (a tuple, or one float).
+    figures = {"lone": [(("lone await p50 us", "lone await mean us"), lone, ())],
+               "burst": [(("burst of 8, lane enqueues, wall us",), burst, (False,)),
+                         (("burst of 8, default, wall us",), burst, (True,))],
+               "relay": [(("relay programs/s", "relay p99 ms"), relay, ())]}
     labels = list(versions)
     for loop in args.loops.split(","):
         backend, options = BACKENDS[loop]
         for section in args.only.split(","):
-            for title, fn, extra in figures[section]:
-                results: dict[str, list[float]] = {label: [] for label in labels}
+            for titles, fn, extra in figures[section]:
+                results: dict[str, list[Any]] = {label: [] for label in labels}
                 for r in range(args.rounds):
                     order = labels[r % len(labels):] + labels[:r % len(labels)]
                     for label in order:
-                        results[label].append(anyio.run(fn, versions[label], *extra,
-                                                        backend=backend,
-                                                        backend_options=options))
-                print(f"{loop:8s} {title:36s} " + "  ".join(
-                    f"{label} {statistics.median(v):9.1f}" for label, v in results.items()),
-                    flush=True)
+                        value = anyio.run(fn, versions[label], *extra, backend=backend,
+                                          backend_options=options)
+                        results[label].append(value if isinstance(value, tuple) else (value,))
+                for k, title in enumerate(titles):
+                    print(f"{loop:8s} {title:36s} " + "  ".join(
+                        f"{label} {statistics.median(v[k] for v in values):9.1f}"
+                        for label, values in results.items()), flush=True)
     return 0
 
 
