@@ -65,9 +65,12 @@ _NEW, _OPEN, _CLOSING, _CLOSED = "new", "open", "closing", "closed"
 # ``await job`` is always a cancellation point, and a schedule point (a yield to the event loop)
 # at least once per YIELD_EVERY_S of awaits that found their job finished without waiting: a
 # cooperative budget, as in Tokio. A yield costs an event-loop iteration (~9 us on an H200 host,
-# bench/NOTES.md), a quarter of a small job's whole await; the budget bounds the loop lag a
-# task awaiting small jobs back to back can cause.
-YIELD_EVERY_S = 0.0005
+# bench/NOTES.md), a quarter of a small job's whole await, so not every await yields. The budget
+# is also each task's time slice when many tasks await small jobs: a task that yields goes to the
+# back of the loop's queue and runs again after every other ready task has had its slice, so
+# with N such tasks an await can wait about N x (budget + one job). At 0.5 ms, 1,000 tasks gave
+# a p99 of ~0.5 s while the median await took 30 us (bench/NOTES.md, seventh session).
+YIELD_EVERY_S = 0.0001
 
 
 def _nothing() -> None:
