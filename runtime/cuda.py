@@ -162,7 +162,13 @@ class _ShortCalls:
     cuda.bindings releases the GIL around every call; from a lane that hands the GIL to the
     event loop at each launch, and the lane then waits for the loop to give it back (measured
     on an H200 with py-spy: most of a lane's time sat in the launch line). Loaded from the same
-    libcuda cuda.bindings uses; None where that fails (the bindings path is used instead)."""
+    libcuda cuda.bindings uses; None where that fails (the bindings path is used instead).
+
+    This is the one place streamlane declares driver prototypes itself, against DESIGN.md's
+    "no hand-written ctypes around the driver": cuda-python offers no call that keeps the GIL,
+    and lanes ran 1.3-1.6x more programs per second with these five (bench/NOTES.md). The
+    prototypes are the CUDA driver's stable C ABI, used only with handles cuda.bindings
+    created; ``STREAMLANE_HOLD_GIL=0`` turns them off (README)."""
 
     def __init__(self) -> None:
         lib = ctypes.PyDLL("libcuda.so.1")
@@ -192,6 +198,19 @@ def _max_connections(value: str | None) -> int:
     except ValueError:
         return 8
     return min(n, 32) if n > 0 else 8  # the driver's default for 0 or less, at most 32
+
+
+def _hold_gil_allowed(value: str | None) -> bool:
+    """``STREAMLANE_HOLD_GIL``: ``0`` turns the GIL-holding short calls off, so every driver
+    call goes through cuda.bindings (which releases the GIL) and ``hold_gil`` is a no-op;
+    unset, empty or ``1`` leaves them on. Anything else is refused, never guessed."""
+    text = "" if value is None else value.strip()
+    if text in ("", "1"):
+        return True
+    if text == "0":
+        return False
+    raise InvalidArgument(f"STREAMLANE_HOLD_GIL must be 0 (every driver call through "
+                          f"cuda.bindings, GIL released) or 1 (the default), got {value!r}")
 
 
 def _short_calls() -> _ShortCalls | None:
@@ -384,6 +403,7 @@ class CudaDevice(Device):
         if reason is not None:
             raise DeviceError(f"cannot use cuda:{index}: {reason}. On a machine without a "
                               f"usable GPU use get_device('host') (or STREAMLANE_DEVICE=host)")
+        hold_gil = _hold_gil_allowed(os.environ.get("STREAMLANE_HOLD_GIL"))
         count = check(_driver.cuDeviceGetCount())
         if not 0 <= index < count:
             raise DeviceError(f"cuda:{index} does not exist: the driver found {count} "
@@ -413,7 +433,7 @@ class CudaDevice(Device):
         self._modules: list[Any] = []  # loaded modules stay alive with the device
         self._plans: dict[int, tuple[Any, ...]] = {}  # id(PreparedLaunch) -> launch plan
         self._cu_launch = d.cuLaunchKernel
-        self._short = _short_calls()
+        self._short = _short_calls() if hold_gil else None
         self._spare_events: dict[bool, list[Any]] = {True: [], False: []}  # by timing
         self.hardware_queues = _max_connections(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"))
 

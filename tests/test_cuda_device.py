@@ -441,3 +441,70 @@ def test_a_thread_ending_with_queued_work_drains_its_stream_and_leaves_the_devic
     except subprocess.TimeoutExpired:
         pytest.fail("the device wedged after a thread ended with queued work")
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
+
+
+def test_hold_gil_setting_reads_0_or_1_and_refuses_anything_else():
+    """``STREAMLANE_HOLD_GIL`` (no GPU needed: only the parsing)."""
+    from streamlane.runtime.cuda import _hold_gil_allowed
+
+    assert [_hold_gil_allowed(v) for v in (None, "", " 1 ", "1", "0", " 0")] == \
+        [True, True, True, True, False, False]
+    for bad in ("yes", "2", "off", "true"):
+        with pytest.raises(InvalidArgument, match="STREAMLANE_HOLD_GIL must be 0"):
+            _hold_gil_allowed(bad)
+
+
+HOLD_GIL_SCRIPT = """
+import asyncio, numpy as np
+from streamlane.runtime import Program, get_device
+from streamlane.sched import Scheduler
+
+dev = get_device("cuda")
+dev.hold_gil(True)
+print("holding", dev.hold_gil(False))
+b = Program.build("twice")
+m = b.method("forward", x=("float32", [64]))
+m.output(m.step("scale", "x", out="y", factor=2.0))
+method = b.finish().method("forward", device=dev)
+
+async def main():
+    async with Scheduler(dev, lanes=2) as sched:
+        outs = [await sched.run(method, [np.full(64, i, np.float32)], lane=0) for i in range(50)]
+    return [o[0].to_host() for o in outs]
+
+for i, y in enumerate(asyncio.run(main())):
+    np.testing.assert_array_equal(y, np.full(64, 2 * i, np.float32))
+print("ok")
+"""
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("value", ["0", "1"])
+def test_streamlane_hold_gil_0_keeps_every_driver_call_in_cuda_bindings(cuda_device, value):
+    """With ``STREAMLANE_HOLD_GIL=0`` nothing holds the GIL through a driver call (lanes
+    included) and the scheduler computes the same; ``1`` is the default. A fresh process:
+    the setting is read when the device opens."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, STREAMLANE_HOLD_GIL=value)
+    out = subprocess.run([sys.executable, "-c", HOLD_GIL_SCRIPT], capture_output=True,
+                         text=True, timeout=120, env=env)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
+    assert f"holding {value == '1'}" in out.stdout
+
+
+@pytest.mark.cuda
+def test_a_bad_streamlane_hold_gil_refuses_to_open_the_device(cuda_device):
+    import os
+    import subprocess
+    import sys
+
+    script = ("from streamlane.runtime import get_device\n"
+              "from streamlane.runtime.errors import InvalidArgument\n"
+              "try:\n    get_device('cuda')\n"
+              "except InvalidArgument as e:\n    print('refused:', e)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120, env=dict(os.environ, STREAMLANE_HOLD_GIL="yes"))
+    assert "refused: STREAMLANE_HOLD_GIL must be 0" in out.stdout, out.stderr[-3000:]
