@@ -17,7 +17,8 @@ Guarantees:
   ``poll_us``, yielding between queries, before falling back to the waiter's wakeup;
 - ``await job`` is always a cancellation point, and yields to the loop at least once per
   ``YIELD_EVERY_S`` even when every job it awaits is already finished, so a task awaiting small
-  jobs back to back never starves the loop's other tasks;
+  jobs back to back never starves the loop's other tasks; while other tasks awaiting jobs are
+  ready to run, at least once per ``YIELD_SHARED_S``, so they take turns in short slices;
 - a method stays on the lane it was first submitted to, so its executes keep one thread's order;
   ``lane=`` moves it explicitly, and the move waits (host side, off the loop) until the method's
   previous job is enqueued, after which the runtime's rule 4 orders it on the device;
@@ -66,11 +67,14 @@ _NEW, _OPEN, _CLOSING, _CLOSED = "new", "open", "closing", "closed"
 # at least once per YIELD_EVERY_S of awaits that found their job finished without waiting: a
 # cooperative budget, as in Tokio. A yield costs an event-loop iteration (~9 us on an H200 host,
 # bench/NOTES.md), a quarter of a small job's whole await, so not every await yields. The budget
-# is also each task's time slice when many tasks await small jobs: a task that yields goes to the
-# back of the loop's queue and runs again after every other ready task has had its slice, so
-# with N such tasks an await can wait about N x (budget + one job). At 0.5 ms, 1,000 tasks gave
-# a p99 of ~0.5 s while the median await took 30 us (bench/NOTES.md, seventh session).
-YIELD_EVERY_S = 0.0001
+# is also each task's time slice when many tasks await small jobs: a task that yields goes to
+# the back of the loop's queue and runs again after every other ready task has had its slice,
+# so with N such tasks an await waits about N x the budget (at 0.5 ms, 1,000 tasks: a p99 of
+# ~0.5 s against a median of 30 us). So the slice shrinks to YIELD_SHARED_S while another task
+# is waiting in one of these yields (ready to run again): a task alone keeps the long budget,
+# which a yield every 0.1 ms would cost 3-4 us per await (H200, bench/NOTES.md).
+YIELD_EVERY_S = 0.0005
+YIELD_SHARED_S = 0.0001
 
 
 def _nothing() -> None:
@@ -153,6 +157,7 @@ class Scheduler:
         # The last stream= that passed _check_stream (a weak reference: never keeps it open).
         self._checked_stream: Callable[[], Any] = _nothing
         self._yielded_at = 0.0  # when an await last yielded to the loop (YIELD_EVERY_S)
+        self._yielding = 0  # tasks suspended in yield_to_loop: ready to run (YIELD_SHARED_S)
         self._unobserved: list[Job] = []  # failed jobs whose error nobody may have seen
         self._methods: weakref.WeakKeyDictionary[Method, _MethodState] = \
             weakref.WeakKeyDictionary()
@@ -484,14 +489,20 @@ class Scheduler:
 
     async def checkpoint(self) -> None:
         """A cancellation point, and a yield to the loop unless one came within
-        ``YIELD_EVERY_S`` (loop thread)."""
-        if time.perf_counter() - self._yielded_at >= YIELD_EVERY_S:
+        ``YIELD_EVERY_S``, or within ``YIELD_SHARED_S`` while another task waits in a yield
+        (loop thread)."""
+        since = time.perf_counter() - self._yielded_at
+        if since >= YIELD_EVERY_S or (self._yielding and since >= YIELD_SHARED_S):
             await self.yield_to_loop()
         else:
             await checkpoint_if_cancelled()
 
     async def yield_to_loop(self) -> None:
-        await checkpoint()
+        self._yielding += 1
+        try:
+            await checkpoint()
+        finally:
+            self._yielding -= 1
         self._yielded_at = time.perf_counter()
 
     def yielded(self) -> None:

@@ -7,6 +7,7 @@ uvloop and trio."""
 from __future__ import annotations
 
 import itertools
+import statistics
 import threading
 import time
 
@@ -278,6 +279,63 @@ async def test_awaits_of_jobs_the_device_already_finished_still_let_the_loop_run
     longest = max(b - a for a, b in itertools.pairwise(during))
     assert len(during) - 2 >= 10, f"the other task ran {len(during) - 2} times in 0.1 s"
     assert longest < 0.02, f"the other task waited {longest * 1e3:.1f} ms ({awaits} awaits)"
+
+
+def _runs(names: list[str]) -> list[int]:
+    """The lengths of the runs of equal consecutive names."""
+    return [len(list(group)) for _, group in itertools.groupby(names)]
+
+
+async def test_tasks_awaiting_finished_jobs_take_turns_in_short_slices(device, monkeypatch):
+    """Many tasks awaiting small finished jobs: each yields after ``YIELD_SHARED_S`` once
+    another is waiting in such a yield, so a task's await waits for the others' short slices
+    (at ``YIELD_EVERY_S`` 1,000 tasks gave a p99 of ~0.5 s); a task whose only company is an
+    unrelated task keeps the long budget, which is cheaper per await. The scheduler's clock is
+    the test's: each await counts as 40 us."""
+    import streamlane.sched.scheduler as scheduler_module
+
+    clock = [1.0]
+    monkeypatch.setattr(scheduler_module, "time", type("Clock", (), {
+        "perf_counter": staticmethod(lambda: clock[0])}))
+    step = 40e-6
+    shared = scheduler_module.YIELD_SHARED_S / step  # awaits per slice: 2.5
+    alone = scheduler_module.YIELD_EVERY_S / step  # 12.5
+    method = double_program().method("forward", device=device)
+    stream = device.create_stream()
+    x = on_device(data(4), device)
+    order: list[str] = []
+
+    async def relay(name: str, awaits: int) -> None:
+        for _ in range(awaits):
+            job = await sched.submit(method, [x], stream=stream)
+            job.event.synchronize()  # finished before the await looks at it
+            (y,) = await job
+            clock[0] += step
+            order.append(name)
+        np.testing.assert_allclose(y.to_host(), 2 * data(4), rtol=1e-6)
+
+    async def ticker(ticks: int) -> None:  # yields through anyio, not through the scheduler
+        for _ in range(ticks):
+            order.append("tick")
+            await anyio.sleep(0)
+
+    with anyio.fail_after(30):
+        async with Scheduler(device, lanes=1, poll_us=1e6) as sched:
+            async with anyio.create_task_group() as tg:
+                for name in "abc":
+                    tg.start_soon(relay, name, 60)
+            # Steady state (every task has yielded once): slices of 3 awaits. Trio may run a
+            # task first in one batch after running it last in the previous: two slices.
+            runs = _runs(order)[3:-3]
+            assert runs and statistics.median(runs) <= shared + 1, f"slices of {runs} awaits"
+            assert max(runs) <= 2 * (shared + 1), f"slices of {runs} awaits"
+            order.clear()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(relay, "a", 100)
+                tg.start_soon(ticker, 1000)
+            runs = [n for name, n in zip([k for k, _ in itertools.groupby(order)],
+                                         _runs(order), strict=True) if name == "a"][1:-1]
+            assert runs and min(runs) >= alone - 1, f"slices of {runs} awaits beside a ticker"
 
 
 async def test_awaiting_a_finished_job_in_a_cancelled_scope_raises_the_cancellation(device):
