@@ -116,19 +116,22 @@ class Method:
         if not self._guard.acquire(blocking=False):
             raise _busy(self, "set_inputs")
         try:
-            if not isinstance(values, (list, tuple)):
-                raise InvalidInput(self.name, None, "a list of inputs",
-                                   type(values).__name__)
-            if len(values) != len(self._input_decls):
-                raise InvalidInput(self.name, None, f"{len(self._input_decls)} inputs",
-                                   len(values))
-            self._inputs_valid = False
-            self._outputs = None  # an output may share memory with an input
-            accepted = [self._accept(i, v) for i, v in enumerate(values)]
-            self._inputs = accepted
-            self._inputs_valid = True
+            self._set_inputs(values)
         finally:
             self._guard.release()
+
+    def _set_inputs(self, values: Sequence[Any]) -> None:
+        """``set_inputs`` with the guard held."""
+        if not isinstance(values, (list, tuple)):
+            raise InvalidInput(self.name, None, "a list of inputs", type(values).__name__)
+        if len(values) != len(self._input_decls):
+            raise InvalidInput(self.name, None, f"{len(self._input_decls)} inputs",
+                               len(values))
+        self._inputs_valid = False
+        self._outputs = None  # an output may share memory with an input
+        accepted = [self._accept(i, v) for i, v in enumerate(values)]
+        self._inputs = accepted
+        self._inputs_valid = True
 
     def _accept(self, index: int, value: Any) -> Any:
         decl = self._input_decls[index]
@@ -255,66 +258,70 @@ class Method:
         if not self._guard.acquire(blocking=False):
             raise _busy(self, "execute")
         try:
-            if self._inputs is None or not self._inputs_valid:
-                raise InvalidState(
-                    f"{self.name}: execute() needs inputs; call set_inputs() with all "
-                    f"{len(self._input_decls)} inputs first"
-                    + (" (the last set_inputs() failed)" if self._inputs is not None else ""))
-            device = self.device
-            stream = current_stream(device)
-            key = stream.key
-            if self.last_event is not None and self._last_stream_key != key:
-                stream.wait(self.last_event)  # rule 4: hand the method over in device order
-            arrays = self._arrays  # one list, reused: the guard makes this execute the only one
-            used: list[Buffer] = []  # memory of others this execute touches (rule 8)
-            for i, value in enumerate(self._inputs):
-                if isinstance(value, Result):
-                    value.wait_on(stream)
-                    arrays[i] = value.array
-                    used.append(value.array.buffer)
-                elif isinstance(value, _Foreign):
-                    if value.stream_handle:  # the producer's stream (CAI v3): order after it
-                        stream.wait(device.stream_from_handle(value.stream_handle).record())
-                    arrays[i] = value.array if value.gather is None else \
-                        self._gather_input(i, value, stream)
-                else:
-                    slot = self._slots[i]
-                    if slot is None:
-                        slot = self._slots[i] = device.empty(value.shape, value.dtype, stream,
-                                                             self._uses)
-                    device.copy_from_host(slot, value, stream)
-                    arrays[i] = slot
-            pooled = self._take_outputs(stream)
-            first = self._n_inputs
-            for j, out in enumerate(pooled):
-                arrays[first + j] = out.array
-                used.append(out.array.buffer)
-            if not pooled:
-                for j, view in enumerate(self._views):
-                    arrays[first + j] = view
-            if start is not None:
-                stream.record(start)
-            if _PRIVATE_STREAM_PER_STEP:
-                for index, (run, ins, outs) in enumerate(self._steps):
-                    run(self._private_stream(index), [arrays[k] for k in ins],
-                        [arrays[k] for k in outs])
-            else:
-                for run, ins, outs in self._steps:
-                    run(stream, [arrays[k] for k in ins], [arrays[k] for k in outs])
-            # A single output's buffer lends its event: no Result holds that buffer now, so no
-            # live Result's event moves (see PooledBuffer). Several outputs: a new event.
-            event = pooled[0].event if len(pooled) == 1 else device.create_event()
-            device._record(event, stream._usable())  # stream.record without its re-checks
-            for buffer in used:
-                buffer.uses[key] = event
-            self._uses[key] = event
-            self.last_event = event
-            self._last_stream_key = key
-            self.executions += 1
-            self._outputs = [Result(p.array, event, key, _Holder(p)) for p in pooled] \
-                if pooled else [Result(view, event, key, view_only=True) for view in self._views]
+            self._execute(start)
         finally:
             self._guard.release()
+
+    def _execute(self, start: Event | None) -> None:
+        """``execute`` with the guard held."""
+        if self._inputs is None or not self._inputs_valid:
+            raise InvalidState(
+                f"{self.name}: execute() needs inputs; call set_inputs() with all "
+                f"{len(self._input_decls)} inputs first"
+                + (" (the last set_inputs() failed)" if self._inputs is not None else ""))
+        device = self.device
+        stream = current_stream(device)
+        key = stream.key
+        if self.last_event is not None and self._last_stream_key != key:
+            stream.wait(self.last_event)  # rule 4: hand the method over in device order
+        arrays = self._arrays  # one list, reused: the guard makes this execute the only one
+        used: list[Buffer] = []  # memory of others this execute touches (rule 8)
+        for i, value in enumerate(self._inputs):
+            if isinstance(value, Result):
+                value.wait_on(stream)
+                arrays[i] = value.array
+                used.append(value.array.buffer)
+            elif isinstance(value, _Foreign):
+                if value.stream_handle:  # the producer's stream (CAI v3): order after it
+                    stream.wait(device.stream_from_handle(value.stream_handle).record())
+                arrays[i] = value.array if value.gather is None else \
+                    self._gather_input(i, value, stream)
+            else:
+                slot = self._slots[i]
+                if slot is None:
+                    slot = self._slots[i] = device.empty(value.shape, value.dtype, stream,
+                                                         self._uses)
+                device.copy_from_host(slot, value, stream)
+                arrays[i] = slot
+        pooled = self._take_outputs(stream)
+        first = self._n_inputs
+        for j, out in enumerate(pooled):
+            arrays[first + j] = out.array
+            used.append(out.array.buffer)
+        if not pooled:
+            for j, view in enumerate(self._views):
+                arrays[first + j] = view
+        if start is not None:
+            stream.record(start)
+        if _PRIVATE_STREAM_PER_STEP:
+            for index, (run, ins, outs) in enumerate(self._steps):
+                run(self._private_stream(index), [arrays[k] for k in ins],
+                    [arrays[k] for k in outs])
+        else:
+            for run, ins, outs in self._steps:
+                run(stream, [arrays[k] for k in ins], [arrays[k] for k in outs])
+        # A single output's buffer lends its event: no Result holds that buffer now, so no
+        # live Result's event moves (see PooledBuffer). Several outputs: a new event.
+        event = pooled[0].event if len(pooled) == 1 else device.create_event()
+        device._record(event, stream._usable())  # stream.record without its re-checks
+        for buffer in used:
+            buffer.uses[key] = event
+        self._uses[key] = event
+        self.last_event = event
+        self._last_stream_key = key
+        self.executions += 1
+        self._outputs = [Result(p.array, event, key, _Holder(p)) for p in pooled] \
+            if pooled else [Result(view, event, key, view_only=True) for view in self._views]
 
     def get_outputs(self) -> list[Result]:
         """The outputs of the last execute (Results; no copy, no host wait)."""
@@ -324,9 +331,17 @@ class Method:
         return list(self._outputs)
 
     def __call__(self, values: Sequence[Any]) -> list[Result]:
-        self.set_inputs(values)
-        self.execute()
-        return self.get_outputs()
+        """``set_inputs(values); execute(); return get_outputs()`` as one call: another
+        thread cannot run the method between the three (rule 4 refuses it with
+        ``InvalidState`` instead), so the outputs are always those of ``values``."""
+        if not self._guard.acquire(blocking=False):
+            raise _busy(self, "__call__")
+        try:
+            self._set_inputs(values)
+            self._execute(None)
+            return self.get_outputs()
+        finally:
+            self._guard.release()
 
     # -- internals ------------------------------------------------------------------------
     def _take_outputs(self, stream: Stream) -> list[PooledBuffer]:

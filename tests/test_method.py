@@ -406,6 +406,58 @@ def test_concurrent_execute_from_two_threads_is_refused(host):
     check(p, [x], m.get_outputs())
 
 
+def test_a_call_from_another_thread_at_any_point_of_m_x_never_changes_its_result(host):
+    """``m(x)`` is one call under rule 4: at every point inside it (each return from a function
+    of runtime/method.py, reached by a profile hook in the calling thread), a second thread
+    calling ``m(y)`` is refused or gets its own result, and the first still gets ``f(x)``.
+    Calling set_inputs/execute/get_outputs one after another, with the guard released in
+    between, let the second thread's inputs into the first's execute."""
+    import sys
+
+    import streamlane.runtime.method as method_module
+
+    p = mlp()
+    m = p.method("forward", device=host)
+    x, y = x_for(p), x_for(p)
+    paused, resume = threading.Event(), threading.Event()
+    outcomes: list[str] = []
+    here = method_module.__file__
+
+    def pause_at_returns(frame, event, arg):
+        if event == "return" and frame.f_code.co_filename == here:
+            paused.set()
+            assert resume.wait(5)
+            resume.clear()
+
+    def first() -> None:
+        sys.setprofile(pause_at_returns)
+        try:
+            results.append(m([x]))
+        finally:
+            sys.setprofile(None)
+            paused.set()
+
+    results: list[list[Result]] = []
+    t = threading.Thread(target=first)
+    t.start()
+    while t.is_alive() or paused.is_set():
+        if not paused.wait(0.05):
+            continue
+        paused.clear()
+        if not t.is_alive() and results:
+            break
+        try:
+            check(p, [y], m([y]))
+            outcomes.append("ran")
+        except InvalidState as exc:
+            assert "another thread" in str(exc)
+            outcomes.append("refused")
+        resume.set()
+    t.join(5)
+    assert len(outcomes) >= 5, outcomes  # it did pause inside the call
+    check(p, [x], results[0])
+
+
 def test_objects_that_refuse_host_conversion_raise_invalid_input(host):
     class DeviceOnly:
         def __array__(self, *args, **kwargs):
