@@ -9,6 +9,7 @@ import math
 import os
 import re
 import zipfile
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +17,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from numpy.lib import format as npy_format
 
 from streamlane.kernels import KernelSpecError, UnknownKernel, get_kernel
 
@@ -36,7 +38,7 @@ MAX_CONSTANTS_BYTES = 8 << 30
 MAX_DIM = (1 << 31) - 1
 MAX_RANK = 8
 MAX_DEVICE_INDEX = 1024
-_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]{0,127}$")
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]{0,127}")  # fullmatch: "x\n" is not a name
 StepFn = Callable[..., None]
 
 
@@ -121,7 +123,7 @@ class Program:
             doc = json.loads(raw, parse_constant=_reject_constant,
                              object_pairs_hook=_unique_keys)
         except (ValueError, RecursionError) as exc:
-            raise InvalidProgram("", "well-formed JSON", str(exc)) from None
+            raise InvalidProgram("", "well-formed JSON", _located(str(exc), raw)) from None
         constants: dict[str, np.ndarray] = {}
         if isinstance(doc, dict) and isinstance(doc.get("constants"), str):
             constants = _read_npz(path.parent, doc["constants"])
@@ -322,6 +324,22 @@ def _reject_constant(name: str) -> None:
     raise ValueError(f"{name} is not valid JSON")
 
 
+# A JSON string, or a NaN / Infinity literal outside one.
+_CONSTANT_TOKEN = re.compile(rb'"(?:[^"\\]|\\.)*"|(-?Infinity|NaN)')
+
+
+def _located(message: str, raw: bytes) -> str:
+    """json's own errors say where; the parse_constant hook's cannot: find its literal."""
+    if not message.endswith("is not valid JSON"):
+        return message
+    for match in _CONSTANT_TOKEN.finditer(raw):
+        if match.group(1):
+            line = raw.count(b"\n", 0, match.start()) + 1
+            column = match.start() - (raw.rfind(b"\n", 0, match.start()) + 1) + 1
+            return f"{message}: line {line} column {column} (char {match.start()})"
+    return message
+
+
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     """An object with a key twice is ambiguous (parsers keep the first, the last, or refuse):
     refused, as NaN is."""
@@ -340,23 +358,56 @@ def _npz_safe(v: np.ndarray) -> np.ndarray:
 
 
 def _read_npz(folder: Path, name: str) -> dict[str, np.ndarray]:
-    if not _NAME.match(name) or "/" in name or "\\" in name or name.startswith("."):
+    """The arrays of the constants file: every member a plain ``.npy`` whose header agrees with
+    its size, checked before anything is allocated (a 16-byte member may claim 10**12
+    elements). Whatever the archive does wrong is an ``InvalidProgram``."""
+    if not _NAME.fullmatch(name) or "/" in name or "\\" in name or name.startswith("."):
         raise InvalidProgram("constants", "a plain file name beside the manifest", name)
     path = folder / name
     try:
         if path.stat().st_size > MAX_CONSTANTS_BYTES:
             raise InvalidProgram("constants", f"at most {MAX_CONSTANTS_BYTES} bytes of constants",
                                  path.stat().st_size)
+        arrays: dict[str, np.ndarray] = {}
         with zipfile.ZipFile(path) as zf:
-            total = sum(i.file_size for i in zf.infolist())
+            members = zf.infolist()
+            total = sum(i.file_size for i in members)
             if total > MAX_CONSTANTS_BYTES:
                 raise InvalidProgram("constants", "constants that fit the size limit", total)
-        with np.load(path, allow_pickle=False) as npz:
-            return {k: npz[k] for k in npz.files}
+            for info in members:
+                key = info.filename[:-4] if info.filename.endswith(".npy") else ""
+                if not key or key in arrays:
+                    raise InvalidProgram("constants", f"an .npz of distinct .npy members ({name})",
+                                         info.filename)
+                with zf.open(info) as member:
+                    arrays[key] = _read_npy(member, info.file_size, key, name)
+        return arrays
     except InvalidProgram:
         raise
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError, KeyError) as exc:
-        raise InvalidProgram("constants", f"a readable .npz file {name}", str(exc)) from None
+    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile, zlib.error,
+            NotImplementedError, RuntimeError) as exc:  # NotImplemented: compression method;
+        # RuntimeError: an encrypted member
+        raise InvalidProgram("constants", f"a readable .npz file {name}",
+                             f"{type(exc).__name__}: {exc}") from None
+
+
+def _read_npy(member: Any, size: int, key: str, name: str) -> np.ndarray:
+    version = npy_format.read_magic(member)
+    if version == (1, 0):
+        shape, _, dtype = npy_format.read_array_header_1_0(member)
+    elif version == (2, 0):
+        shape, _, dtype = npy_format.read_array_header_2_0(member)
+    else:
+        raise InvalidProgram(f"constants[{_key(key)!r}]", "an .npy member of format 1.0 or 2.0",
+                             f"format {version}")
+    if dtype.hasobject:
+        raise InvalidProgram(f"constants[{_key(key)!r}]", "a numeric array", str(dtype))
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes != size - member.tell():
+        raise InvalidProgram(f"constants[{_key(key)!r}]", f"as many data bytes as its header's "
+                             f"{dtype}{list(shape)} in {name}", size - member.tell())
+    member.seek(0)
+    return npy_format.read_array(member, allow_pickle=False)
 
 
 class _Validator:
@@ -386,7 +437,7 @@ class _Validator:
             raise InvalidProgram("methods", "a non-empty object of methods", methods)
         defs = {}
         for mname, mdoc in methods.items():
-            self._name(mname, f"methods.{mname}")
+            self._name(mname, f"methods.{_key(mname)}")
             defs[mname] = self._method(mname, mdoc, consts)
         used = {n for m in defs.values() for s in m.steps if s.kind == "callable"
                 for n in [s.target]}
@@ -397,7 +448,7 @@ class _Validator:
     def _constants(self, decls: Any) -> dict[str, np.ndarray]:
         consts: dict[str, np.ndarray] = {}
         for k, v in self.constants.items():
-            where = f"constants[{k!r}]"
+            where = f"constants[{_key(k)!r}]"
             self._name(k, where)
             if not isinstance(v, np.ndarray) or v.dtype.hasobject:
                 raise InvalidProgram(where, "a numeric array", type(v).__name__)
@@ -409,13 +460,20 @@ class _Validator:
             if v.ndim > MAX_RANK or v.size == 0 or v.nbytes > MAX_TENSOR_BYTES:
                 raise InvalidProgram(where, "a non-empty array within the size limits",
                                      list(v.shape))
-            consts[k] = v
+            # Uploads copy bytes: a big-endian or Fortran-ordered constant (another machine's
+            # np.save) becomes the native, C-ordered array of the same values first.
+            consts[k] = np.ascontiguousarray(v, dtype=v.dtype.newbyteorder("="))
         if decls is None:
             return consts
         if not isinstance(decls, list):
             raise InvalidProgram("constant_tensors", "a list of tensor declarations", decls)
+        declared: set[str] = set()
         for i, d in enumerate(decls):
             t = self._tensor(d, f"constant_tensors[{i}]")
+            if t.name in declared:
+                raise InvalidProgram(f"constant_tensors[{i}].name",
+                                     "a constant declared once", t.name)
+            declared.add(t.name)
             have = consts.get(t.name)
             if have is not None and t.dtype == "bfloat16" and have.dtype == np.uint16:
                 have = consts[t.name] = have.view(DTYPES["bfloat16"])
@@ -575,7 +633,7 @@ class _Validator:
         return t
 
     def _name(self, value: Any, where: str) -> str:
-        if not isinstance(value, str) or not _NAME.match(value):
+        if not isinstance(value, str) or not _NAME.fullmatch(value):
             raise InvalidProgram(where, "a name of letters, digits, '_', '.', '-' (at most 128, "
                                  "not starting with a digit)", value)
         return value
@@ -585,6 +643,12 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _key(key: str) -> str:
+    """A manifest key as it appears in an error's JSON path: an untrusted file may use a
+    megabyte-long one. Valid names (at most 128 characters) are never cut."""
+    return key if len(key) <= 128 else key[:125] + "..."
+
+
 def _join(where: str, key: str) -> str:
-    return f"{where}.{key}" if where else key
+    return f"{where}.{_key(key)}" if where else _key(key)
 

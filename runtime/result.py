@@ -237,7 +237,8 @@ class Result:
     @classmethod
     def from_host(cls, array: Any, device: Device | str | None = None) -> Result:
         """Upload ``array`` (numpy, anything numpy can read, or a Result) to ``device``, keeping
-        its dtype (bfloat16 included). The copy is ordered on this thread's current stream."""
+        its dtype (bfloat16 included; a big-endian array arrives in native byte order). The
+        copy is ordered on this thread's current stream."""
         from .device import Device, get_device
 
         if not isinstance(device, Device):
@@ -248,6 +249,8 @@ class Result:
         if host.dtype.hasobject:
             raise InvalidArgument(f"from_host: object arrays cannot go to a device ({host.dtype})")
         dtype_name(host.dtype)  # raises InvalidArgument for an unsupported dtype
+        if not host.dtype.isnative:  # the copy is of bytes: kernels read native order
+            host = host.astype(host.dtype.newbyteorder("="))
         stream = current_stream(device)
         dst = device.empty(host.shape if host.ndim else (), host.dtype, stream)
         device.copy_from_host(dst, host, stream)

@@ -208,6 +208,120 @@ def test_malformed_json_and_files(tmp_path):
     assert info.value.path == "constants"
 
 
+def _npz_with(tmp_path, members, compression=None):
+    """Write p.json and a p.npz holding ``members`` ({member name: bytes}) as given."""
+    import zipfile
+
+    path = write(tmp_path, manifest())
+    with zipfile.ZipFile(tmp_path / "p.npz", "w",
+                         compression=compression or zipfile.ZIP_STORED) as zf:
+        for name, data in members.items():
+            zf.writestr(name, data)
+    return path
+
+
+def _npy(array, header_shape=None):
+    import io
+
+    from numpy.lib import format as npy_format
+
+    buf = io.BytesIO()
+    if header_shape is None:
+        np.save(buf, array)
+    else:  # a header that lies about the data after it
+        npy_format.write_array_header_1_0(buf, {"descr": array.dtype.str,
+                                                "fortran_order": False, "shape": header_shape})
+        buf.write(array.tobytes())
+    return buf.getvalue()
+
+
+def test_a_lying_or_damaged_constants_file_is_invalid_program_before_any_allocation(tmp_path):
+    """An untrusted .npz: a 16-byte member claiming 10**12 elements must not reach numpy's
+    allocator (MemoryError), and a damaged or unsupported archive raises InvalidProgram, not
+    zlib.error / NotImplementedError / RuntimeError."""
+    import zipfile
+
+    small = np.zeros(4, np.float32)
+    cases = {
+        "huge header": {"w1.npy": _npy(W), "big.npy": _npy(small, (10**12,))},
+        "short header": {"w1.npy": _npy(W, (16, 17))},
+        "not .npy": {"w1.npy": _npy(W), "notes.txt": b"hello"},
+        "pickled": {"w1.npy": _npy(np.array([{}], dtype=object))},
+    }
+    for label, members in cases.items():
+        with pytest.raises(InvalidProgram) as info:
+            Program.load(_npz_with(tmp_path, members))
+        assert info.value.path.startswith("constants"), (label, info.value)
+    path = _npz_with(tmp_path, {"w1.npy": _npy(W)})
+    with zipfile.ZipFile(tmp_path / "p.npz", "a") as zf, pytest.warns(UserWarning):
+        zf.writestr("w1.npy", _npy(2 * W))  # which one would a reader take?
+    with pytest.raises(InvalidProgram, match="distinct"):
+        Program.load(path)
+    path = _npz_with(tmp_path, {"w1.npy": _npy(W)}, zipfile.ZIP_DEFLATED)
+    raw = bytearray((tmp_path / "p.npz").read_bytes())
+    start = raw.find(b"w1.npy") + 40
+    raw[start:start + 200] = bytes(b ^ 0x5A for b in raw[start:start + 200])
+    (tmp_path / "p.npz").write_bytes(bytes(raw))
+    with pytest.raises(InvalidProgram, match=r"readable \.npz"):
+        Program.load(path)
+    for method, offsets in ((99, (8, 10)), ("encrypted", (6, 8))):
+        raw = bytearray(_npz_with(tmp_path, {"w1.npy": _npy(W)}) and
+                        (tmp_path / "p.npz").read_bytes())
+        for signature, offset in zip((b"PK\x03\x04", b"PK\x01\x02"), offsets, strict=True):
+            at = raw.find(signature)
+            if method == "encrypted":
+                raw[at + offset] |= 1
+            else:
+                raw[at + offset:at + offset + 2] = method.to_bytes(2, "little")
+        (tmp_path / "p.npz").write_bytes(bytes(raw))
+        with pytest.raises(InvalidProgram, match=r"readable \.npz"):
+            Program.load(path)
+
+
+def test_big_endian_and_fortran_constants_arrive_native_with_their_values(tmp_path):
+    """Uploads copy bytes: another machine's big-endian np.save must not reach a kernel as
+    native float32 (on CUDA, 0.02 read as 3.6e25)."""
+    from streamlane.runtime import Result, get_device
+
+    big = W.astype(">f4")
+    path = _npz_with(tmp_path, {"w1.npy": _npy(np.asfortranarray(big))})
+    program = Program.load(path)
+    w1 = program.constants["w1"]
+    assert w1.dtype == np.float32 and w1.dtype.isnative and w1.flags.c_contiguous
+    np.testing.assert_array_equal(w1, W)
+    r = Result.from_host(big, get_device("host"))
+    assert r.dtype == np.float32 and r.dtype.isnative
+    np.testing.assert_array_equal(r.to_host(), W)
+
+
+def test_names_keys_and_literals_in_errors(tmp_path):
+    """A name with a trailing newline is not a name; a megabyte-long key does not make a
+    megabyte-long error; a NaN literal is located like any other JSON error; a constant
+    declared twice is refused."""
+    for where, value in ((("name",), "p\n"), (("methods", "forward", "inputs", 0, "name"), "x\n")):
+        with pytest.raises(InvalidProgram, match="a name of letters"):
+            Program.load(write(tmp_path, mutate(manifest(), where, value)))
+    doc = manifest()
+    doc["methods"]["m" * 1_000_000] = doc["methods"]["forward"]
+    with pytest.raises(InvalidProgram) as info:
+        Program.load(write(tmp_path, doc))
+    assert len(str(info.value)) < 400 and len(info.value.path) < 200
+    doc = manifest()
+    doc["methods"]["forward"]["k" * 1_000_000] = 1
+    with pytest.raises(InvalidProgram) as info:
+        Program.load(write(tmp_path, doc))
+    assert len(str(info.value)) < 400 and info.value.path.startswith("methods.forward.kkk")
+    text = json.dumps(manifest()).replace('"us": 5', '"us": NaN')
+    with pytest.raises(InvalidProgram, match=r"NaN is not valid JSON: line 1 column \d+"):
+        Program.load(write(tmp_path, text))
+    doc = manifest()
+    decl = {"name": "w1", "dtype": "float32", "shape": [16, 16]}
+    doc["constant_tensors"] = [decl, dict(decl)]
+    with pytest.raises(InvalidProgram, match="declared once") as info:
+        Program.load(write(tmp_path, doc))
+    assert info.value.path == "constant_tensors[1].name"
+
+
 def _leaves(doc, prefix=()):
     if isinstance(doc, dict):
         for k, v in doc.items():
