@@ -265,8 +265,8 @@ def test_a_lying_or_damaged_constants_file_is_invalid_program_before_any_allocat
     with pytest.raises(InvalidProgram, match=r"readable \.npz"):
         Program.load(path)
     for method, offsets in ((99, (8, 10)), ("encrypted", (6, 8))):
-        raw = bytearray(_npz_with(tmp_path, {"w1.npy": _npy(W)}) and
-                        (tmp_path / "p.npz").read_bytes())
+        path = _npz_with(tmp_path, {"w1.npy": _npy(W)})
+        raw = bytearray((tmp_path / "p.npz").read_bytes())
         for signature, offset in zip((b"PK\x03\x04", b"PK\x01\x02"), offsets, strict=True):
             at = raw.find(signature)
             if method == "encrypted":
