@@ -137,7 +137,8 @@ class Method:
         decl = self._input_decls[index]
         want = DTYPES[decl.dtype]
         if type(value) is Result and value.array.buffer.device is self.device and \
-                value.array.dtype == want and value.array.shape == decl.shape:
+                value.array.dtype == want and value.array.shape == decl.shape and \
+                not value.view_only:
             return value  # the common case, checked without building messages
         expected = f"{decl.dtype}{list(decl.shape)}"
         if isinstance(value, Result):
@@ -145,6 +146,15 @@ class Method:
                 raise InvalidInput(self.name, index, f"a Result on {self.device.name}",
                                    f"a Result on {value.device.name}",
                                    "copy it with Result.from_host(result.to_host(), device)")
+            if value.view_only and any(value.array.buffer is view.buffer
+                                       for view in self._views):
+                raise InvalidInput(
+                    self.name, index, "a Result the execute does not overwrite",
+                    "an output of this same method made with clone_outputs=False",
+                    "every execute writes those outputs in place, so the execute would read "
+                    "and overwrite the same memory; copy it first "
+                    "(Result.from_host(r.to_host(), device)) or make the method with "
+                    "clone_outputs=True")
             self._check_meta(index, value.dtype, value.shape, want, decl.shape, expected)
             return value
         if isinstance(value, (bool, int, float, np.number, np.bool_)) and not isinstance(

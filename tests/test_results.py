@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from streamlane.runtime import CallerStream, Program, Result
-from streamlane.runtime.errors import InvalidArgument
+from streamlane.runtime.errors import InvalidArgument, InvalidInput
 from streamlane.runtime.result import TRIM_AFTER
 
 RNG = np.random.default_rng()
@@ -144,6 +144,22 @@ def test_clone_outputs_false_returns_views_the_next_execute_overwrites(device):
     r2 = m([x2])[0]
     assert r1.array.ptr == r2.array.ptr and r1.view_only
     np.testing.assert_array_equal(r1.to_host(), 2 * x2)
+
+
+def test_a_views_method_refuses_its_own_output_as_input(device):
+    """With clone_outputs=False an execute writes its outputs in place: fed back as an input,
+    an output would be read and overwritten by the same execute (on CUDA a tiled matmul races
+    with itself). Refused, naming the way out; another method may read the view."""
+    m = scaler().method("forward", device=device, clone_outputs=False)
+    other = scaler(factor=3.0).method("forward", device=device)
+    x = rand()
+    r = m([x])[0]
+    with pytest.raises(InvalidInput, match="clone_outputs") as info:
+        m([r])
+    assert info.value.index == 0
+    np.testing.assert_array_equal(other([r])[0].to_host(), 6 * x)
+    again = Result.from_host(r.to_host(), device)
+    np.testing.assert_array_equal(m([again])[0].to_host(), 4 * x)
 
 
 def test_consumer_on_another_stream_never_sees_overwritten_data(device):
