@@ -99,7 +99,9 @@ class Method:
         self._pools = [OutputPool(self._buffer_maker(t)) for t in mdef.outputs]
         self._views = [device.empty(t.shape, DTYPES[t.dtype], stream, self._uses)
                        for t in mdef.outputs] if not self.clone_outputs else []
-        self._steps = [self._plan_step(s) for s in mdef.steps]
+        shapes = {t.name: t.shape for t in (*mdef.inputs, *mdef.buffers, *mdef.outputs)}
+        shapes.update((name, value.shape) for name, value in program.constants.items())
+        self._steps = [self._plan_step(s, shapes) for s in mdef.steps]
         self._private_streams: list[Stream] = []
         if program.constants:
             self.last_event = stream.record()  # the constants' upload orders the first execute
@@ -368,16 +370,13 @@ class Method:
             return PooledBuffer(device.empty(shape, dtype, stream), device.create_event())
         return make
 
-    def _plan_step(self, step: Any) -> tuple[Any, tuple[int, ...], tuple[int, ...]]:
-        tensors = {t.name: t for t in (*self.definition.inputs, *self.definition.buffers,
-                                       *self.definition.outputs)}
-        shape = {n: (tensors[n].shape if n in tensors else self.program.constants[n].shape)
-                 for n in (*step.ins, *step.outs)}
+    def _plan_step(self, step: Any, shapes: dict[str, tuple[int, ...]]
+                   ) -> tuple[Any, tuple[int, ...], tuple[int, ...]]:
         ins = tuple(self._index[n] for n in step.ins)
         outs = tuple(self._index[n] for n in step.outs)
         if step.kind == "kernel":
-            prepared = self.device.prepare(step.target, [shape[n] for n in step.ins],
-                                           [shape[n] for n in step.outs], step.params)
+            prepared = self.device.prepare(step.target, [shapes[n] for n in step.ins],
+                                           [shapes[n] for n in step.outs], step.params)
             return prepared.bind(), ins, outs
         fn = self.program.callables[step.target]
         device = self.device

@@ -536,3 +536,29 @@ def test_torch_and_cupy_inputs_in_other_layouts_are_gathered_on_the_gpu(cuda_dev
     cp = pytest.importorskip("cupy")
     c = cp.asarray(base.T.copy())[::-1]  # negative strides
     np.testing.assert_array_equal(m([c])[0].to_host(), 2 * base.T[::-1])
+
+
+def test_binding_a_long_chain_takes_time_linear_in_its_steps(host):
+    """An untrusted manifest may hold ~100,000 steps within the size limit: binding rebuilt a
+    table of every tensor per step (8,000 steps: 4.6 s, quadratic). Best of three, 1,000
+    against 8,000 steps: linear is ~8x, quadratic 64x."""
+
+    def chain(n):
+        b = Program.build(f"chain{n}")
+        m = b.method("forward", x=("float32", [1]))
+        h = "x"
+        for i in range(n):
+            h = m.step("relu", h, out="y" if i == n - 1 else None)
+        m.output("y")
+        return b.finish()
+
+    def bind_s(program):
+        best = float("inf")
+        for _ in range(3):
+            t = time.perf_counter()
+            program.method("forward", device=host)
+            best = min(best, time.perf_counter() - t)
+        return best
+
+    short, long = bind_s(chain(1000)), bind_s(chain(8000))
+    assert long < 30 * short, f"1,000 steps bind in {short:.3f} s, 8,000 in {long:.3f} s"
