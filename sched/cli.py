@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 __all__ = ["main"]
 
 BACKENDS = ("asyncio", "uvloop", "trio")
+MAX_REQUESTS = 1024  # per configuration; a large request holds 2 MiB of input
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -32,7 +34,8 @@ def _parser() -> argparse.ArgumentParser:
                       help="auto (cuda if a GPU is usable, else host), host, cuda or cuda:N "
                            "(default: auto, or $STREAMLANE_DEVICE)")
     demo.add_argument("--requests", type=int, default=32,
-                      help="encoder+decoder requests per configuration (default: 32)")
+                      help=f"encoder+decoder requests per configuration, 1..{MAX_REQUESTS} "
+                           f"(default: 32)")
     demo.add_argument("--out", type=Path, default=Path("streamlane-out"),
                       help="folder for the PNG timelines and Chrome traces "
                            "(default: ./streamlane-out)")
@@ -47,8 +50,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if args.requests < 1:
-        print("streamlane demo: --requests must be at least 1", file=sys.stderr)
+    if not 1 <= args.requests <= MAX_REQUESTS:
+        print(f"streamlane demo: --requests must be in 1..{MAX_REQUESTS} (the demo prepares "
+              f"every request's input before it starts), got {args.requests}", file=sys.stderr)
         return 2
     return _demo(args)
 
@@ -72,6 +76,8 @@ def _demo(args: argparse.Namespace) -> int:
         return 2
     try:  # before any work: an unusable --out is a usage error, not a traceback at the end
         args.out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=args.out):  # an existing folder may not be writable
+            pass
     except OSError as exc:
         console.print(f"[red]streamlane demo: cannot write the timelines to --out {args.out}: "
                       f"{exc.strerror or exc}[/red]")

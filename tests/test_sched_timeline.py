@@ -6,8 +6,10 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import anyio
 import pytest
@@ -148,12 +150,19 @@ def test_exports_take_a_file_path(bad):
         timeline.plot(bad)
 
 
-def test_the_demo_refuses_an_unusable_out_before_running(tmp_path):
-    blocker = tmp_path / "a-file"
-    blocker.write_text("not a directory")
+@pytest.mark.parametrize("where", ["under a file", "an existing unwritable folder"])
+def test_the_demo_refuses_an_unusable_out_before_running(tmp_path, where):
+    if where == "under a file":
+        blocker = tmp_path / "a-file"
+        blocker.write_text("not a directory")
+        out = blocker / "out"
+    else:  # /proc exists and takes no new files, even from root
+        if not os.path.isdir("/proc"):
+            pytest.skip("no /proc on this system")
+        out = Path("/proc")
     proc = subprocess.run(
         [sys.executable, "-m", "streamlane.sched", "demo", "--device", "host", "--requests", "1",
-         "--out", str(blocker / "out")], capture_output=True, text=True, timeout=60)
+         "--out", str(out)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "cannot write the timelines to --out" in proc.stdout and "Traceback" not in \
         proc.stdout + proc.stderr
@@ -170,10 +179,11 @@ def test_the_demo_command_runs_and_checks_every_result(tmp_path):
         json.loads((tmp_path / f"trace-{slug}.json").read_text())
 
 
-def test_the_demo_refuses_a_bad_request_count():
-    proc = subprocess.run([sys.executable, "-m", "streamlane.sched", "demo", "--requests", "0"],
+@pytest.mark.parametrize("count", ["0", "1025", "1000000000"])
+def test_the_demo_refuses_a_bad_request_count(count):
+    proc = subprocess.run([sys.executable, "-m", "streamlane.sched", "demo", "--requests", count],
                           capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "--requests must be at least 1" in proc.stderr
+    assert proc.returncode == 2 and "--requests must be in 1..1024" in proc.stderr, proc.stderr
 
 
 def test_demo_sizes_build_the_same_programs_wider():
