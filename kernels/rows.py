@@ -49,17 +49,21 @@ extern "C" __global__ void sl_layernorm(const float* x, float* out, long long ro
     for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
         const float* xr = x + r * cols;
         float* yr = out + r * cols;
+        // Relative to the row's first element k: x - k is exact for values near k, so a
+        // constant row gives exactly 0 and a large offset (a row near 1e4) costs no precision;
+        // the mean itself (near k) is never rounded to float32.
+        const float k = xr[0];
         float s = 0.0f;
-        for (long long j = threadIdx.x; j < cols; j += blockDim.x) s += xr[j];
-        const float mean = sl_block_sum(s, scratch) / (float)cols;
+        for (long long j = threadIdx.x; j < cols; j += blockDim.x) s += xr[j] - k;
+        const float m = sl_block_sum(s, scratch) / (float)cols;  // mean - k
         float q = 0.0f;
         for (long long j = threadIdx.x; j < cols; j += blockDim.x) {
-            const float d = xr[j] - mean;
+            const float d = (xr[j] - k) - m;
             q = fmaf(d, d, q);
         }
         const float var = sl_block_sum(q, scratch) / (float)cols;
         const float inv = 1.0f / sqrtf(var + eps);
-        for (long long j = threadIdx.x; j < cols; j += blockDim.x) yr[j] = (xr[j] - mean) * inv;
+        for (long long j = threadIdx.x; j < cols; j += blockDim.x) yr[j] = ((xr[j] - k) - m) * inv;
     }
 }
 """
@@ -118,8 +122,8 @@ def _softmax64(x: np.ndarray) -> np.ndarray:
 
 
 def _layernorm(x: np.ndarray, eps: float) -> np.ndarray:
-    mean = x.mean(axis=-1, keepdims=True)
-    d = x - mean
+    y = x - x[..., :1]  # relative to the row's first element, as the CUDA kernel
+    d = y - y.mean(axis=-1, keepdims=True)
     var = (d * d).mean(axis=-1, keepdims=True)
     return d / np.sqrt(var + x.dtype.type(eps))
 

@@ -62,3 +62,24 @@ def test_matmul_at_odd_sizes(device, a, b):
     (got,), (want,) = run_kernel(device, "matmul", [a, b], {}, seed=seed)
     assert np.isfinite(got).all()
     assert rel_err(got, want) <= 1e-5, f"seed {seed}"
+
+
+def test_layernorm_of_rows_far_from_zero(device):
+    """A float32 sum of a row at 10000.3 rounds, and (x - mean) / sqrt(var + eps) magnifies
+    the rounding (0.5 for a constant row, where the answer is 0). Summing relative to the
+    row's first element makes a constant row exact and keeps an offset row's precision."""
+    s = device.per_thread_stream()
+    rng = np.random.default_rng(7)
+    constant = np.array([np.full(1000, 10000.3), np.full(1000, 1000.1), np.full(1000, -7e5)],
+                        np.float32)
+    offset = (1e4 + rng.standard_normal((5, 999))).astype(np.float32)
+    for x, exact in ((constant, True), (offset, False)):
+        d_in = device.to_device(x, s)
+        d_out = device.to_device(np.full(x.shape, np.nan, np.float32), s)
+        device.launch("layernorm", s, [d_in], [d_out], {"eps": 1e-5})
+        got = device.to_host(d_out, s)
+        want = get_kernel("layernorm").reference([x.astype(np.float64)], {"eps": 1e-5})[0]
+        if exact:
+            np.testing.assert_array_equal(got, np.zeros_like(x))
+        else:
+            assert rel_err(got, want) <= 1e-4, rel_err(got, want)
