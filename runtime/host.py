@@ -224,7 +224,12 @@ class HostDevice(Device):
 
     # -- memory -------------------------------------------------------------------------------
     def _alloc(self, nbytes: int, stream_impl: Any) -> tuple[int, Any]:
-        storage = np.full(nbytes, _POISON, np.uint8)
+        try:
+            storage = np.full(nbytes, _POISON, np.uint8)
+        except MemoryError:  # as CUDA reports it: a DeviceError, the device still usable
+            raise DeviceError(f"out of memory: the host device could not allocate {nbytes} "
+                              f"bytes; free buffers you no longer need or use smaller shapes",
+                              "CUDA_ERROR_OUT_OF_MEMORY") from None
         return storage.ctypes.data, storage
 
     def _free_memory(self, ptr: int, impl: Any, stream_impl: Any, after: list[Event]) -> None:

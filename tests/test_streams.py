@@ -344,3 +344,22 @@ def test_checked_launch_revalidates_new_signatures(device):
     with pytest.raises(InvalidArgument, match="params"):
         device.launch("scale", s, [a], [out], {"factor": [1]})
     np.testing.assert_array_equal(device.to_host(out, s), np.ones(8, np.float32))
+
+
+def test_host_memory_exhaustion_is_a_device_error_like_cudas(host, monkeypatch):
+    """The host device reports an allocation it cannot make as CUDA does (a DeviceError named
+    CUDA_ERROR_OUT_OF_MEMORY, the device still usable), not numpy's MemoryError."""
+    import streamlane.runtime.host as host_module
+
+    real = host_module.np.full
+
+    def exhausted(shape, *args, **kwargs):
+        if shape == 12345:
+            raise MemoryError("Unable to allocate")
+        return real(shape, *args, **kwargs)
+
+    monkeypatch.setattr(host_module.np, "full", exhausted)
+    with pytest.raises(DeviceError, match="could not allocate 12345 bytes") as info:
+        host.alloc(12345)
+    assert info.value.code == "CUDA_ERROR_OUT_OF_MEMORY"
+    assert host.alloc(16).nbytes == 16
