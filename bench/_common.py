@@ -16,7 +16,8 @@ from typing import Any
 
 RESULTS = Path(__file__).parent / "results"
 # Settings that change what a GPU run measures, recorded with every figure:
-ENV = ("CUDA_DEVICE_MAX_CONNECTIONS", "CUDA_LAUNCH_BLOCKING", "STREAMLANE_DEVICE", "STREAMLANE_HOLD_GIL")
+ENV = ("CUDA_DEVICE_MAX_CONNECTIONS", "CUDA_LAUNCH_BLOCKING", "STREAMLANE_DEVICE",
+       "STREAMLANE_HOLD_GIL")
 
 
 def commit() -> str:
