@@ -342,6 +342,16 @@ class Method:
                                f"set_inputs() first")
         return list(self._outputs)
 
+    def may_wait_on_host(self) -> bool:
+        """Whether the next ``execute()`` may wait on the host: it may reuse an output buffer
+        that another library took on an unknown stream (``__cuda_array_interface__``, DLPack
+        with ``stream=-1``), which only a device-wide synchronize makes safe to rewrite (rule
+        8). The scheduler's event loop thread never runs such an execute."""
+        if not PooledBuffer.blind_exports_seen:
+            return False
+        return any(p.exported and None in p.export_streams
+                   for pool in self._pools for p in pool.buffers)
+
     def __call__(self, values: Sequence[Any]) -> list[Result]:
         """``set_inputs(values); execute(); return get_outputs()`` as one call: another
         thread cannot run the method between the three (rule 4 refuses it with

@@ -54,6 +54,18 @@ class PooledBuffer:
         self.export_streams: list[Stream | None] = []  # consumers' streams, None: unknown
         self.lock = threading.Lock()
 
+    # Set once any buffer goes to a consumer on an unknown stream, whose reuse then needs a
+    # device-wide host wait: until then Method.may_wait_on_host needs no scan.
+    blind_exports_seen = False
+
+    def export_to(self, consumer: Stream | None) -> None:
+        """Note a consumer of the buffer (another library); None: its stream is unknown."""
+        with self.lock:
+            self.exported = True
+            self.export_streams.append(consumer)
+        if consumer is None:
+            PooledBuffer.blind_exports_seen = True
+
     def prepare_write(self, stream: Stream) -> None:
         """Order ``stream`` after every use of this buffer elsewhere (rule 8); called by the
         writer just before it writes the buffer again. No Result holds the buffer now, so no
@@ -316,10 +328,7 @@ def _dlpack(self: Result, *, stream: Any = None, max_version: Any = None,
 
     consumer = _consumer_stream(self, stream)
     if self._holder is not None:
-        pooled = self._holder.pooled
-        with pooled.lock:
-            pooled.exported = True
-            pooled.export_streams.append(consumer)
+        self._holder.pooled.export_to(consumer)
     return export(self.array.ptr, self.shape, self.dtype, KDL_CUDA, self.device.index, holder)
 
 
@@ -349,10 +358,7 @@ def _cuda_array_interface(self: Result) -> dict[str, Any]:
     if self.event is not None and not self.event.query():
         self.event.synchronize()
     if self._holder is not None:
-        pooled = self._holder.pooled
-        with pooled.lock:
-            pooled.exported = True
-            pooled.export_streams.append(None)
+        self._holder.pooled.export_to(None)
     typestr = self.dtype.str if self.dtype_name != "bfloat16" else "<V2"
     return {"shape": self.shape, "typestr": typestr, "data": (self.array.ptr, False),
             "version": 3, "strides": None, "stream": None}

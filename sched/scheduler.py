@@ -363,7 +363,7 @@ class Scheduler:
         # Nothing pending here does not mean nothing to wait for: a dependency may be a job of
         # another scheduler, not yet enqueued; the loop must never wait for it.
         inline = stream is not None and self.inline and not self._pending and \
-            self._can_run_inline(values, state.kernels_only) and \
+            self._can_run_inline(method, values, state.kernels_only) and \
             (not host_waits or all(dep._is_published for dep in host_waits))
         self._pending.add(job)
         lane.outstanding += 1
@@ -383,17 +383,20 @@ class Scheduler:
         return job
 
     @staticmethod
-    def _can_run_inline(values: list[Any], kernels_only: bool) -> bool:
+    def _can_run_inline(method: Method, values: list[Any], kernels_only: bool) -> bool:
         """Whether the loop thread can enqueue a lone caller-stream job itself, sparing the hop
         to the lane thread, without ever blocking: only kernel steps (a user callable may
-        wait) and inputs already on the device (an upload from host memory may wait). The
-        caller checked that nothing else is pending: nothing is queued ahead of it, everything
-        it depends on is done, and no stream queue is full of this scheduler's work.
+        wait), inputs already on the device (an upload from host memory may wait), and no
+        output buffer that another library took on an unknown stream (its reuse waits for the
+        whole device). The caller checked that nothing else is pending: nothing is queued
+        ahead of it, everything it depends on is done, and no stream queue is full of this
+        scheduler's work.
 
         Only lone jobs: for a burst the lane thread enqueuing while the loop submits the next
         job spreads the burst's device starts less than the loop doing both (H200 figures in
         bench/NOTES.md)."""
-        return kernels_only and all(isinstance(v, (Result, JobOutput)) for v in values)
+        return kernels_only and all(isinstance(v, (Result, JobOutput)) for v in values) and \
+            not method.may_wait_on_host()
 
     def _count_stream(self, job: Job, delta: int) -> None:
         """Count ``job`` in (+1) or out (-1) of the streams with jobs pending; warn once when

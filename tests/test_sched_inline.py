@@ -18,6 +18,7 @@ from sched_helpers import BACKENDS, Gate, data, double_program, spin_program, wa
 
 from streamlane.runtime import Method, Program, Result
 from streamlane.runtime.errors import InvalidArgument
+from streamlane.runtime.result import PooledBuffer
 from streamlane.sched import Scheduler
 from streamlane.sched.lane import Lane
 
@@ -279,6 +280,38 @@ async def test_awaits_of_jobs_the_device_already_finished_still_let_the_loop_run
     longest = max(b - a for a, b in itertools.pairwise(during))
     assert len(during) - 2 >= 10, f"the other task ran {len(during) - 2} times in 0.1 s"
     assert longest < 0.02, f"the other task waited {longest * 1e3:.1f} ms ({awaits} awaits)"
+
+
+async def test_a_method_whose_output_went_to_an_unknown_stream_is_not_executed_on_the_loop(
+        device, executing_threads, monkeypatch):
+    """Reusing an output buffer that another library took on an unknown stream (CUDA:
+    ``__cuda_array_interface__``, DLPack with stream -1) waits for the whole device on the
+    host (rule 8), so such a lone job goes to its lane thread: the loop never blocks on the
+    device. Once an execute has rewritten the buffer, the fast path is back."""
+    monkeypatch.setattr(PooledBuffer, "blind_exports_seen", False)  # restored after the test
+    method = double_program("exported").method("forward", device=device)
+    stream = device.create_stream()
+    x = on_device(data(0), device)
+    loop = threading.get_ident()
+    with anyio.fail_after(30):
+        async with Scheduler(device, lanes=1) as sched:
+            (y,) = await sched.run(method, [x], stream=stream)
+            assert method.may_wait_on_host() is False
+            if device.kind == "cuda":
+                interface = y.__cuda_array_interface__  # what CuPy or Numba read
+                assert interface["stream"] is None
+            else:  # the host device hands its memory out without tracking consumers
+                y._holder.pooled.export_to(None)
+            del y
+            assert method.may_wait_on_host()
+            (y,) = await sched.run(method, [x], stream=stream)  # rewrites that buffer
+            assert not method.may_wait_on_host()
+            (z,) = await sched.run(method, [x], stream=stream)
+    assert executing_threads["exported.forward"][0] == loop
+    assert executing_threads["exported.forward"][1] != loop, "it ran on the loop thread"
+    assert executing_threads["exported.forward"][2] == loop
+    np.testing.assert_allclose(y.to_host(), 2 * data(0), rtol=1e-6)
+    np.testing.assert_allclose(z.to_host(), 2 * data(0), rtol=1e-6)
 
 
 def _runs(names: list[str]) -> list[int]:
