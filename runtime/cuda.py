@@ -2,17 +2,19 @@
 
 Nothing here touches the driver, or imports ``cuda.*``, until ``usable()`` / ``why_unusable()``
 is asked or a ``CudaDevice`` is made: ``get_device("auto")`` imports this module on machines
-without a GPU. Every driver call goes through ``check()``, which turns a failed ``CUresult``
-into ``DeviceError("CUDA_ERROR_X: explanation")``. The primary context and raw driver handles
+without a GPU. Every failed driver call becomes ``DeviceError("CUDA_ERROR_X: explanation")``
+(through ``check()``, or ``_fail()`` for the GIL-holding short calls); only the staging pool's
+query of a chunk's event is read as done / not done. The primary context and raw driver handles
 serve better than cuda.core's objects here: lanes drive one context from many threads, and the
 launch path is measured against a raw ``cuLaunchKernel``.
 
 Guarantees:
 - any public entry may be called from any host thread: the device's context is made current on
   a thread before its first driver call there (once per thread, then a cheap check);
-- ``copy_from_host``'s source may change as soon as the call returns, and the call never waits
-  for the stream (pinned staging, see ``_Staging``); device-to-host copies into pageable memory
-  do wait for the stream, as CUDA does;
+- ``copy_from_host``'s source may change as soon as the call returns, and the call does not
+  wait for the stream (pinned staging, see ``_Staging``) unless more than the pool's 64 MiB
+  are in flight: then it waits for the oldest staged copy; device-to-host copies into pageable
+  memory do wait for the stream, as CUDA does;
 - a thread's per-thread stream is drained when the thread ends (see ``_PerThreadStream``);
 - foreign streams are never destroyed; created streams are destroyed once, by ``close()`` or
   their finalizer, and a finalizer never raises.
@@ -166,7 +168,8 @@ class _ShortCalls:
 
     This is the one place streamlane declares driver prototypes itself, against DESIGN.md's
     "no hand-written ctypes around the driver": cuda-python offers no call that keeps the GIL,
-    and lanes ran 1.3-1.6x more programs per second with these five (bench/NOTES.md). The
+    and lanes ran 1.5-2.0x more programs per second with these five (one H200, alternating
+    processes: bench/results/sched-throughput-hold-gil-*.json). The
     prototypes are the CUDA driver's stable C ABI, used only with handles cuda.bindings
     created; ``STREAMLANE_HOLD_GIL=0`` turns them off (README)."""
 

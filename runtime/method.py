@@ -6,7 +6,9 @@ Guarantees:
   calling thread (rule 1); no step owns a stream;
 - an execute that resolves to another stream than the method's previous execute first makes that
   stream wait, on the device, for the previous execute (rule 4);
-- ``execute()`` never waits on the host (rule 6);
+- ``execute()`` never waits on the host for the device's own work (rule 6); it may wait where
+  memory someone else may use is reused: an output buffer another library took on an unknown
+  stream (``may_wait_on_host``), or pinned staging for large host inputs (CUDA);
 - two threads executing one method at the same time get ``InvalidState``, never unordered work.
 """
 
@@ -261,7 +263,8 @@ class Method:
 
     # -- execution -----------------------------------------------------------------------
     def execute(self, *, start: Event | None = None) -> None:
-        """Enqueue every step on this thread's resolved stream. Never waits on the host.
+        """Enqueue every step on this thread's resolved stream. Never waits on the host for
+        the device's own work (rule 6: see the module's guarantees for the two exceptions).
 
         ``start``: an event to record on that stream once this execute's device waits (the
         rule-4 handoff, inputs produced on other streams, output buffers still being read) are

@@ -1,6 +1,7 @@
 """Programs: immutable, validated definitions of named methods (format 1 on disk, or built in
 Python). Files are untrusted: everything is validated before anything is allocated, and every
-problem raises ``InvalidProgram`` naming the JSON path of the bad field."""
+problem in a file raises ``InvalidProgram`` naming the JSON path of the bad field (a wrong kind
+of argument, such as ``Program.load(123)``, is an ``InvalidArgument``)."""
 
 from __future__ import annotations
 

@@ -5,8 +5,9 @@ A Result owns a *holder* of the buffer it views. While any Result or export (DLP
 spare buffer instead; once the holder dies, the buffer returns to its pool.
 
 Guarantees:
-- ``to_host()`` is the one host wait, and waits only for the work that produced this result
-  (an event), never for the whole device;
+- ``to_host()`` is the one host wait: it copies on the calling thread's current stream (as
+  torch's ``.cpu()``), after the work that produced this result, so it also waits for what
+  that stream has queued before it; never for the whole device;
 - a buffer read on another stream is rewritten only after that stream has passed the read
   (an event recorded there, waited on by the writer's stream on the device);
 - a buffer handed to another library is rewritten only once the device work that library may

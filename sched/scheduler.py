@@ -118,8 +118,9 @@ class Scheduler:
     event on the event loop (yielding between queries) before waiting for the waiter's wakeup,
     only while that job is the only one pending; 0 turns it off. ``inline``: let the event loop
     thread enqueue a lone caller-stream job that cannot block itself instead of handing it to
-    the lane thread; False keeps every driver call off the loop thread. ``timeline_size``: how
-    many recent spans ``timeline()`` keeps.
+    the lane thread; False keeps every launch and execute off the loop thread (its remaining
+    driver calls, event queries and elapsed times, never wait). ``timeline_size``: how many
+    recent spans ``timeline()`` keeps.
     """
 
     def __init__(self, device: Device | str | None = None, lanes: int = 2, *,
