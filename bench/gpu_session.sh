@@ -22,8 +22,10 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=cs
 } > "$out/cuda-tests.log" 2>&1
 [[ $skip == *" tests "* ]] || grep -E "passed|failed|== " "$out/cuda-tests.log"
 if [[ $skip != *" demo "* ]]; then
+  echo "commit: ${STREAMLANE_COMMIT:-unknown (set STREAMLANE_COMMIT)}, $(date -u +%FT%TZ)" \
+      > "$out/demo.txt"
   timeout -k 5 90 streamlane demo --device cuda --requests 32 --out /tmp/streamlane-demo \
-      > "$out/demo.txt" 2>&1
+      >> "$out/demo.txt" 2>&1
   echo "demo: exit $?"; tar -C /tmp -cf "$out/demo.tar" streamlane-demo 2>/dev/null
 fi
 if [[ $skip != *" runtime "* ]]; then
