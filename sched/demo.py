@@ -14,6 +14,7 @@ timing events and written as a PNG and a Chrome/Perfetto trace.
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -107,6 +108,10 @@ async def _run(config: str, device: Device, p: _Programs, xs: list[np.ndarray],
         else [None, None]
     lanes = 2 if config == "two lanes" else 1
     enc_lane, dec_lane = (0, 1) if lanes == 2 else (0, 0)
+    # A full collection of the process's heap takes 30-60 ms on a small VM (cuda-python's
+    # modules alone hold tens of thousands of objects): done here, it does not land inside one
+    # configuration's measured wall time and skew the comparison.
+    gc.collect()
     async with Scheduler(device, lanes=lanes) as sched:
         start = time.perf_counter()
         pairs = []
