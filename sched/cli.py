@@ -16,7 +16,7 @@ from pathlib import Path
 __all__ = ["main"]
 
 BACKENDS = ("asyncio", "uvloop", "trio")
-MAX_REQUESTS = 1024  # per configuration; a large request holds 2 MiB of input
+MAX_REQUESTS = 1024  # per configuration; the demo prepares every input and reference first
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -43,7 +43,7 @@ def _parser() -> argparse.ArgumentParser:
                       help="event loop to run on (default: asyncio)")
     demo.add_argument("--size", choices=("auto", "small", "large"), default="auto",
                       help="small: the shipped example programs (batch 8, width 256); large: "
-                           "the same programs at batch 256, width 2048, so GPU work dominates "
+                           "the same programs at batch 16, width 4096, so GPU work dominates "
                            "(default: auto, large on a GPU, small on the host device)")
     return parser
 

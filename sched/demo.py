@@ -35,8 +35,11 @@ CONFIGS = ("one lane", "two lanes", "caller streams")
 # (batch, width) of the encoder and decoder. "small" is the shipped example files: quick on the
 # host device, but on a GPU its kernels take a few microseconds and the run only measures the
 # host. "large" is the same programs built wider (build_encoder/build_decoder), so the device
-# work dominates and concurrent streams have something to overlap.
-SIZES = {"small": (8, 256), "large": (256, 2048)}
+# work dominates, with few rows, so one job's kernels leave SMs for another's: at batch 256 a
+# matmul fills the GPU and two concurrent jobs only share it (H200, warmed up: 1.14x faster
+# than one lane; batch 16 x width 4096: 1.80x / 1.93x with caller streams, in
+# bench/results/demo-sizes-cuda.txt).
+SIZES = {"small": (8, 256), "large": (16, 4096)}
 RTOL, ATOL = 1e-3, 1e-5
 
 
@@ -91,9 +94,12 @@ async def run_demo(device: Device, requests: int, out: Path,
     for x in xs:
         (y,) = run_reference(encoder, "forward", [x])
         refs.append((y, run_reference(decoder, "forward", [y])[0]))
-    # Warm up (kernel compilation, first allocations) outside the measured runs.
+    # Warm up outside the measured runs: kernel compilation, first allocations, and an idle
+    # GPU's clocks, which ramp up over the first milliseconds of work (on an H200 one pair left
+    # the one-lane row, measured first, anywhere from 52 to 67 ms): one pass over every request.
     async with Scheduler(device, lanes=1) as sched:
-        await sched.run(p.dec, [(await sched.submit(p.enc, [xs[0]])).outputs[0]])
+        for x in xs:
+            await sched.submit(p.dec, [(await sched.submit(p.enc, [x])).outputs[0]])
     results = []
     for config in CONFIGS:
         results.append(await _run(config, device, p, xs, refs, out,

@@ -204,4 +204,4 @@ def test_the_demo_runs_the_large_size_on_request(tmp_path):
         [sys.executable, "-m", "streamlane.sched", "demo", "--device", "host", "--size", "large",
          "--requests", "1", "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "batch 256, width 2048" in " ".join(proc.stdout.split()) and "2/2" in proc.stdout
+    assert "batch 16, width 4096" in " ".join(proc.stdout.split()) and "2/2" in proc.stdout
