@@ -352,8 +352,7 @@ class Method:
         8). The scheduler's event loop thread never runs such an execute."""
         if not PooledBuffer.blind_exports_seen:
             return False
-        return any(p.exported and None in p.export_streams
-                   for pool in self._pools for p in pool.buffers)
+        return any(p.needs_device_wait for pool in self._pools for p in pool.buffers)
 
     def __call__(self, values: Sequence[Any]) -> list[Result]:
         """``set_inputs(values); execute(); return get_outputs()`` as one call: another

@@ -67,6 +67,11 @@ class PooledBuffer:
         if consumer is None:
             PooledBuffer.blind_exports_seen = True
 
+    @property
+    def needs_device_wait(self) -> bool:
+        """Whether rewriting it needs a device-wide host wait: a consumer's stream is unknown."""
+        return self.exported and None in self.export_streams
+
     def prepare_write(self, stream: Stream) -> None:
         """Order ``stream`` after every use of this buffer elsewhere (rule 8); called by the
         writer just before it writes the buffer again. No Result holds the buffer now, so no
@@ -82,14 +87,15 @@ class PooledBuffer:
         if not self.exported:
             return
         with self.lock:
+            blind = self.needs_device_wait
             self.exported = False
             consumers, self.export_streams = self.export_streams, []
-        if consumers and all(c is not None for c in consumers):
-            for c in consumers:  # everything the consumer queued before it let go
-                if c.key != stream.key:
-                    stream.wait(c.record())
-        else:  # a consumer on an unknown stream: only a device-wide wait is safe
+        if blind:  # a consumer on an unknown stream: only a device-wide wait is safe
             stream.device.synchronize()
+            return
+        for c in consumers:  # everything each consumer queued before it let go
+            if c is not None and c.key != stream.key:
+                stream.wait(c.record())
 
 
 class OutputPool:
