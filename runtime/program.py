@@ -393,20 +393,20 @@ def _read_npz(folder: Path, name: str) -> dict[str, np.ndarray]:
 
 
 def _read_npy(member: Any, size: int, key: str, name: str) -> np.ndarray:
+    where = f"constants[{_key(key)!r}]"
     version = npy_format.read_magic(member)
     if version == (1, 0):
         shape, _, dtype = npy_format.read_array_header_1_0(member)
     elif version == (2, 0):
         shape, _, dtype = npy_format.read_array_header_2_0(member)
     else:
-        raise InvalidProgram(f"constants[{_key(key)!r}]", "an .npy member of format 1.0 or 2.0",
-                             f"format {version}")
+        raise InvalidProgram(where, "an .npy member of format 1.0 or 2.0", f"format {version}")
     if dtype.hasobject:
-        raise InvalidProgram(f"constants[{_key(key)!r}]", "a numeric array", str(dtype))
-    nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes != size - member.tell():
-        raise InvalidProgram(f"constants[{_key(key)!r}]", f"as many data bytes as its header's "
-                             f"{dtype}{list(shape)} in {name}", size - member.tell())
+        raise InvalidProgram(where, "a numeric array", str(dtype))
+    data = size - member.tell()
+    if math.prod(shape) * dtype.itemsize != data:
+        raise InvalidProgram(where, f"as many data bytes as its header's {dtype}{list(shape)} "
+                             f"in {name}", data)
     member.seek(0)
     return npy_format.read_array(member, allow_pickle=False)
 
