@@ -13,6 +13,10 @@ Guarantees:
   anyio's worker threads do;
 - a callback that raises is reported through ``sys.unraisablehook`` and does not stop the batch
   (trio would otherwise crash the whole run from a ``run_sync_soon`` callback).
+
+``call_soon`` is the loop thread's own, cheaper way to run a callback at the loop's next turn
+(asyncio: ``loop.call_soon``, ~1 us; trio: a system task rescheduled, ~3 us, where
+``run_sync_soon`` writes to the wakeup socket: ~14 us on the 2-core VM).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import sys
 import threading
 from collections.abc import Callable
+from typing import Any
 
 from streamlane.runtime.errors import NotSupported
 
@@ -29,7 +34,8 @@ __all__ = ["LoopWaker"]
 class LoopWaker:
     """Created on the loop thread, inside a running asyncio or trio loop."""
 
-    __slots__ = ("_call_soon", "_closed_errors", "_lock", "_pending", "_scheduled", "backend",
+    __slots__ = ("_call_soon", "_closed_errors", "_lock", "_loop_soon", "_pending", "_scheduled",
+                 "_soon", "_soon_closing", "_soon_running", "_soon_task", "backend",
                  "loop_thread")
 
     def __init__(self) -> None:
@@ -37,12 +43,15 @@ class LoopWaker:
         if self.backend == "asyncio":
             import asyncio
 
-            self._call_soon = asyncio.get_running_loop().call_soon_threadsafe
+            loop = asyncio.get_running_loop()
+            self._call_soon = loop.call_soon_threadsafe
+            self._loop_soon: Callable[[Callable[[], object]], object] = loop.call_soon
             self._closed_errors: tuple[type[BaseException], ...] = (RuntimeError,)
         elif self.backend == "trio":
             import trio
 
             self._call_soon = trio.lowlevel.current_trio_token().run_sync_soon
+            self._loop_soon = self._trio_soon
             self._closed_errors = (trio.RunFinishedError,)
         else:
             raise NotSupported(f"the streamlane scheduler runs on asyncio (uvloop too) and trio, "
@@ -51,6 +60,10 @@ class LoopWaker:
         self._lock = threading.Lock()
         self._pending: list[Callable[[], object]] = []
         self._scheduled = False
+        self._soon: list[Callable[[], object]] = []  # trio: call_soon's callbacks
+        self._soon_task: Any = None  # trio: the system task that runs them, while it waits
+        self._soon_running = False  # trio: that task exists (waiting, ready or running)
+        self._soon_closing = False
 
     def post(self, callback: Callable[[], object]) -> None:
         """Run ``callback()`` on the loop thread soon (thread-safe, coalesced)."""
@@ -65,6 +78,60 @@ class LoopWaker:
             with self._lock:  # the loop is gone: nobody is left to run these
                 self._pending.clear()
                 self._scheduled = False
+
+    def call_soon(self, callback: Callable[[], object]) -> None:
+        """Run ``callback()`` at the loop's next turn, after the tasks ready now have run (loop
+        thread only, while the loop runs: not thread-safe, and cheaper than ``post``)."""
+        self._loop_soon(callback)
+
+    def close(self) -> None:
+        """End the trio task that runs ``call_soon``'s callbacks once it has run those already
+        posted (a later ``call_soon`` starts a new one); nothing to do on asyncio."""
+        self._soon_closing = True
+        self._wake_soon_task()
+
+    def _trio_soon(self, callback: Callable[[], object]) -> None:
+        self._soon.append(callback)
+        if self._soon_task is not None:
+            self._wake_soon_task()
+        elif not self._soon_running:
+            import trio
+
+            self._soon_running = True
+            self._soon_closing = False
+            trio.lowlevel.spawn_system_task(self._run_soon, name="streamlane-call-soon")
+        # else: the task is about to run and takes the callback with the others
+
+    def _wake_soon_task(self) -> None:
+        task, self._soon_task = self._soon_task, None
+        if task is not None:  # waiting (a task is rescheduled once per wait)
+            import trio
+
+            trio.lowlevel.reschedule(task)
+
+    async def _run_soon(self) -> None:
+        import trio
+
+        def abort(_: object) -> trio.lowlevel.Abort:  # the run is ending
+            self._soon_task = None
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        try:
+            while True:
+                batch, self._soon = self._soon, []
+                for callback in batch:
+                    try:
+                        callback()
+                    except BaseException as exc:
+                        sys.unraisablehook(_Unraisable(exc, callback))
+                if self._soon:
+                    continue
+                if self._soon_closing:
+                    return
+                self._soon_task = trio.lowlevel.current_task()
+                await trio.lowlevel.wait_task_rescheduled(abort)
+        finally:
+            self._soon_running = False
 
     def _drain(self) -> None:
         with self._lock:

@@ -58,8 +58,21 @@ class JobOutput:
     @property
     def result(self) -> Result:
         """The ``Result`` (available once the job is enqueued; it may still be pending on the
-        device: ``await job`` first to read it on the host)."""
-        return self.job.results[self.index]
+        device: ``await job`` first to read it on the host). Raises ``InvalidState`` while the
+        job waits for its lane, or once it failed.
+
+        A lone job held back for its await (``Scheduler``: inline) is enqueued now, by the
+        loop thread, so its outputs exist as soon as ``submit`` returns."""
+        job = self.job
+        if job._parked and threading.get_ident() == job.lane._core.waker.loop_thread:
+            job.lane._core.start_parked()
+        results = job.results
+        if results is None:
+            state = f"ended {job._state}" if job._finished else "waits for its lane"
+            raise InvalidState(f"output {self.index} of {job!r}: the job {state}, so it has "
+                               f"no Result; await the job, or pass this JobOutput as an input "
+                               f"of a later submit")
+        return results[self.index]
 
     def __repr__(self) -> str:
         return f"<JobOutput {self.index} of {self.job!r}>"
@@ -103,6 +116,7 @@ class Job:
         "_inputs",
         "_is_published",
         "_loop_owned",
+        "_parked",
         "_publish_event",
         "_retrieved",
         "_start_event",
@@ -137,6 +151,7 @@ class Job:
         self._calls = 0  # driver calls it queues on the device, about (set by the scheduler)
         self._claimed = False  # settled by a thread of its lane (or the loop: Lane.poll)
         self._loop_owned = False  # kept by the loop for its poll, not yet given to the waiter
+        self._parked = False  # held back for the loop thread to enqueue (Scheduler._enqueue)
         self._is_published = False
         self._publish_event: threading.Event | None = None  # made only if someone must wait
         # Read by the lane, dropped once enqueued, so a long chain of after= jobs does not keep
@@ -207,6 +222,8 @@ class Job:
         its device work runs to completion, its buffers stay alive until then, and the
         scheduler releases them in the background.
         """
+        if self._parked:  # a lone job the loop enqueues now, at its first await
+            self.lane._core.start_parked()
         if self._finished:
             await self.lane._core.checkpoint()
         else:

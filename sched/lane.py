@@ -84,6 +84,7 @@ class _Core(Protocol):
     @property
     def broken(self) -> BaseException | None: ...
     def count_pending(self) -> int: ...
+    def start_parked(self) -> None: ...
     async def checkpoint(self) -> None: ...
     async def yield_to_loop(self) -> None: ...
     def yielded(self) -> None: ...
@@ -134,8 +135,22 @@ class Lane:
             self._queued += 1
         self._jobs.put(job)
 
+    def park(self, job: Job) -> None:
+        """Count ``job`` as queued for this lane while the scheduler holds it back for the loop
+        thread (``Scheduler._enqueue``); ``unpark`` then starts it one way or the other."""
+        with self._lock:
+            self._queued += 1
+
+    def unpark(self, job: Job, inline: bool) -> None:
+        """Start a parked job: enqueue it from the loop thread (``inline``: ``run_inline``) or
+        give it to the lane thread, behind anything queued before it."""
+        if inline:
+            self.run_inline(job)
+        else:
+            self._jobs.put(job)
+
     def run_inline(self, job: Job) -> None:
-        """Enqueue ``job`` from the loop thread (no lane hop) and keep it for ``poll``.
+        """Enqueue a parked ``job`` from the loop thread (no lane hop) and keep it for ``poll``.
 
         Only for a lone job that cannot block: nothing else pending (so nothing is queued
         ahead of it, its dependencies are done, and no stream queue is full of our work),
@@ -144,8 +159,6 @@ class Lane:
         # The loop thread's calls release the GIL as usual (Device.hold_gil off): nothing else
         # is pending, so no other thread is waiting for it, and on the H200 the GIL-holding
         # calls cost more than the releasing ones when nobody contends (11.4 vs 9.8 us).
-        with self._lock:
-            self._queued += 1
         if self._execute(job, None):
             if self._core.poll_s > 0:
                 # A lone job: the loop keeps it for ``await job`` to poll. Handing it to the

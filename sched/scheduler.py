@@ -12,7 +12,9 @@ Guarantees:
   queue, and completions come back through one coalesced thread-safe wakeup (``LoopWaker``);
 - a lone caller-stream job (nothing else pending) that cannot block (kernel steps only, inputs
   already on the device) is enqueued by the loop thread itself, sparing the hop to the lane
-  thread; it is running when ``submit`` returns (``inline=False`` turns this off);
+  thread: at its first ``await``, or at the loop's next turn if that comes first; a submit
+  before then makes it the head of a burst and gives it to the lane thread, which enqueues
+  while the loop submits the rest (``inline=False`` gives every job to the lane thread);
 - ``await job`` on the scheduler's only pending job polls its event on the loop for up to
   ``poll_us``, yielding between queries, before falling back to the waiter's wakeup;
 - ``await job`` is always a cancellation point, and yields to the loop at least once per
@@ -155,6 +157,7 @@ class Scheduler:
         self._broken_lock = threading.Lock()
         self._pending: set[Job] = set()
         self._loop_job: Job | None = None  # a lone job the loop kept for its poll (Lane.poll)
+        self._parked: Job | None = None  # a lone job held back for the loop to enqueue
         # The last stream= that passed _check_stream (a weak reference: never keeps it open).
         self._checked_stream: Callable[[], Any] = _nothing
         self._yielded_at = 0.0  # when an await last yielded to the loop (YIELD_EVERY_S)
@@ -235,6 +238,7 @@ class Scheduler:
             return
         self._state = _CLOSING
         self._closed = anyio.Event()
+        self._unpark(inline=False)
         self._release_loop_job()
         with anyio.CancelScope(shield=True):
             try:
@@ -251,6 +255,7 @@ class Scheduler:
                     lane.join()
             finally:
                 self._state = _CLOSED
+                self.waker.close()
                 self._closed.set()
         if not error:
             unobserved = [job for job in self._unobserved if not job._retrieved]
@@ -274,10 +279,10 @@ class Scheduler:
         arrays (copied now, so the caller may reuse them), Results, or ``JobOutput``s of
         earlier jobs (``job.outputs[i]``), which are ordered like ``after=``.
 
-        Returns once the job is on its lane's queue, waiting while the lane is full. A lone
-        caller-stream job that cannot block (see the module's guarantees) is enqueued on the
-        device before it returns, by the calling (event loop) thread, unless the scheduler was
-        made with ``inline=False``.
+        Returns once the job is queued for its lane, waiting while the lane is full. A lone
+        caller-stream job that cannot block (see the module's guarantees) is enqueued by the
+        event loop thread, at its first ``await`` or the loop's next turn, unless another
+        submit comes first or the scheduler was made with ``inline=False``.
 
         **Cancellation**: if cancelled while waiting for room on the lane, nothing was
         submitted. Once it returns, the job is the scheduler's: it will run.
@@ -305,6 +310,8 @@ class Scheduler:
         target = self._pick_lane(method, lane, state)
         slots = target.slots
         assert slots is not None
+        if self._parked is not None:  # a burst: its head goes to the lane thread, in order
+            self._unpark(inline=False)
         if self._loop_job is not None:
             self._settle_loop_job()
         try:
@@ -371,17 +378,24 @@ class Scheduler:
         if self._queues is not None:
             self._count_stream(job, 1)
         if inline:
-            lane.run_inline(job)
-            if job._loop_owned:
-                self._loop_job = job
+            # Held back until its await (or the loop's next turn): if another submit comes
+            # first, this was the head of a burst, better enqueued by the lane thread while the
+            # loop submits the rest (bench/NOTES.md).
+            lane.park(job)
+            job._parked = True
+            self._parked = job
+            self.waker.call_soon(self.start_parked)
         else:
             lane.put(job)
+        self._check_loop_job_slot(lane)
+        return job
+
+    def _check_loop_job_slot(self, lane: Lane) -> None:
+        """A job the loop keeps for its poll never holds a full lane's slot: a submit may be
+        waiting for room (or come to wait), and only a settle frees it."""
         kept = self._loop_job
         if kept is not None and kept.lane is lane and lane.outstanding >= lane.queue_size:
-            # A job the loop keeps for its poll never holds a full lane's slot: a submit may be
-            # waiting for room (or come to wait), and only a settle frees it.
             self._release_loop_job()
-        return job
 
     @staticmethod
     def _can_run_inline(method: Method, values: list[Any], kernels_only: bool) -> bool:
@@ -393,8 +407,9 @@ class Scheduler:
         ahead of it, everything it depends on is done, and no stream queue is full of this
         scheduler's work.
 
-        Only lone jobs: for a burst the lane thread enqueuing while the loop submits the next
-        job spreads the burst's device starts less than the loop doing both (H200 figures in
+        Only lone jobs, and only once the loop is sure no burst follows (``start_parked``): for
+        a burst the lane thread enqueuing while the loop submits the next job spreads the
+        burst's device starts less than the loop doing both (H200 figures in
         bench/NOTES.md)."""
         return kernels_only and all(isinstance(v, (Result, JobOutput)) for v in values) and \
             not method.may_wait_on_host()
@@ -465,6 +480,27 @@ class Scheduler:
                                "`async with Scheduler(...) as sched:`")
         if self._state != _OPEN:
             raise SchedulerClosed(f"{self!r} is closed; no new work is accepted")
+
+    def start_parked(self) -> None:
+        """Enqueue the parked job from the loop thread: its first ``await``, or the loop's next
+        turn (``call_soon``), whichever comes first."""
+        if self._parked is not None:
+            self._unpark(inline=True)
+
+    def _unpark(self, inline: bool) -> None:
+        """Start the parked job (loop thread): on the loop (``inline``) unless it may now wait
+        on the host (its output went to another library meanwhile) or has already failed (the
+        scheduler broke); else on its lane thread, which enqueues or refuses it."""
+        job = self._parked
+        if job is None:
+            return
+        self._parked = None
+        job._parked = False
+        inline = inline and not job._finished and not job.method.may_wait_on_host()
+        job.lane.unpark(job, inline)
+        if inline and job._loop_owned:
+            self._loop_job = job
+            self._check_loop_job_slot(job.lane)
 
     def _settle_loop_job(self) -> None:
         """Before another submit: settle the lone job the loop kept if it has completed (the
