@@ -11,7 +11,7 @@ relay when the order was fixed (``sched-ab-cuda.txt``).
     python bench/ab_sched.py --version base=/tmp/s45 --rounds 6
 
 Measures, per loop: the p50 and mean await of a lone caller-stream job (``bench_sched.py``
-(a), "caller stream"); the wall time of bursts of 8 single-block 200 us spins on 8 caller
+(a), "caller stream"), through ``run`` and through ``submit`` then ``await``; the wall time of bursts of 8 single-block 200 us spins on 8 caller
 streams, with the lane thread enqueuing them and by default; and the relay (500 tasks awaiting
 tiny programs on 4 caller streams, ``bench_sched.py`` (c)): programs/s and the p99 await.
 Prints one line per figure: the median over the rounds for each version.
@@ -73,14 +73,17 @@ def main(argv: list[str] | None = None) -> int:
     one.to_host()
     streams = [dev.create_stream() for _ in range(8)]
 
-    async def lone(scheduler: Any) -> tuple[float, float]:
+    async def lone(scheduler: Any, via_submit: bool) -> tuple[float, float]:
         async with scheduler(dev, lanes=1, timing=False) as sched:
             for _ in range(200):
                 await sched.run(tiny, [x], stream=streams[0])
             ns = []
             for _ in range(1500):
                 t = time.perf_counter_ns()
-                await sched.run(tiny, [x], stream=streams[0])
+                if via_submit:  # the job is held back for its await (since e69725b)
+                    await (await sched.submit(tiny, [x], stream=streams[0]))
+                else:
+                    await sched.run(tiny, [x], stream=streams[0])
                 ns.append(time.perf_counter_ns() - t)
             return float(np.percentile(ns, 50)) / 1e3, float(np.mean(ns)) / 1e3
 
@@ -118,7 +121,9 @@ def main(argv: list[str] | None = None) -> int:
             return 5000 / (time.perf_counter() - t), float(np.percentile(ns, 99)) / 1e6
 
     # Each figure's function returns one value per title (a tuple, or one float).
-    figures = {"lone": [(("lone await p50 us", "lone await mean us"), lone, ())],
+    figures = {"lone": [(("lone await p50 us", "lone await mean us"), lone, (False,)),
+                        (("lone submit, await p50 us", "lone submit, await mean us"), lone,
+                         (True,))],
                "burst": [(("burst of 8, lane enqueues, wall us",), burst, (False,)),
                          (("burst of 8, default, wall us",), burst, (True,))],
                "relay": [(("relay programs/s", "relay p99 ms"), relay, ())]}

@@ -141,13 +141,10 @@ class Lane:
         with self._lock:
             self._queued += 1
 
-    def unpark(self, job: Job, inline: bool) -> None:
-        """Start a parked job: enqueue it from the loop thread (``inline``: ``run_inline``) or
-        give it to the lane thread, behind anything queued before it."""
-        if inline:
-            self.run_inline(job)
-        else:
-            self._jobs.put(job)
+    def unpark(self, job: Job) -> None:
+        """Give a parked job to the lane thread, behind anything queued before it (else the
+        loop thread enqueues it: ``run_inline``)."""
+        self._jobs.put(job)
 
     def run_inline(self, job: Job) -> None:
         """Enqueue a parked ``job`` from the loop thread (no lane hop) and keep it for ``poll``.

@@ -12,9 +12,10 @@ Guarantees:
   queue, and completions come back through one coalesced thread-safe wakeup (``LoopWaker``);
 - a lone caller-stream job (nothing else pending) that cannot block (kernel steps only, inputs
   already on the device) is enqueued by the loop thread itself, sparing the hop to the lane
-  thread: at its first ``await``, or at the loop's next turn if that comes first; a submit
-  before then makes it the head of a burst and gives it to the lane thread, which enqueues
-  while the loop submits the rest (``inline=False`` gives every job to the lane thread);
+  thread: by ``run`` at once; after ``submit``, at the job's first ``await`` or the loop's next
+  turn, whichever comes first. A submit before then makes it the head of a burst and gives it
+  to the lane thread, which enqueues while the loop submits the rest (``inline=False`` gives
+  every job to the lane thread);
 - ``await job`` on the scheduler's only pending job polls its event on the loop for up to
   ``poll_us``, yielding between queries, before falling back to the waiter's wakeup;
 - ``await job`` is always a cancellation point, and yields to the loop at least once per
@@ -282,11 +283,18 @@ class Scheduler:
         Returns once the job is queued for its lane, waiting while the lane is full. A lone
         caller-stream job that cannot block (see the module's guarantees) is enqueued by the
         event loop thread, at its first ``await`` or the loop's next turn, unless another
-        submit comes first or the scheduler was made with ``inline=False``.
+        submit comes first (then its lane thread does it) or the scheduler was made with
+        ``inline=False``.
 
         **Cancellation**: if cancelled while waiting for room on the lane, nothing was
         submitted. Once it returns, the job is the scheduler's: it will run.
         """
+        return await self._submit(method, inputs, lane, after, stream, False)
+
+    async def _submit(self, method: Method, inputs: Sequence[Any], lane: int | None,
+                      after: Sequence[Job], stream: Any, awaited: bool) -> Job:
+        """``submit``; ``awaited``: the caller awaits the job at once (``run``), so no burst
+        can follow it and a lone job is enqueued by the loop here, not held back."""
         await checkpoint_if_cancelled()
         if self._state is not _OPEN or self._broken is not None:
             self._check_open()
@@ -329,22 +337,23 @@ class Scheduler:
             state = self._methods.get(method)
             if lane is None and state is not None and state.lane is not target:
                 slots.release()
-                return await self.submit(method, inputs, after=after, stream=stream)
-        return self._enqueue(method, values, target, after_jobs, stream, state)
+                return await self._submit(method, inputs, None, after, stream, awaited)
+        return self._enqueue(method, values, target, after_jobs, stream, state, awaited)
 
     async def run(self, method: Method, inputs: Sequence[Any], *, lane: int | None = None,
                   after: Sequence[Job] = (), stream: Any = None) -> list[Result]:
         """``await sched.run(m, xs, **kw)`` is equivalent to ``await (await sched.submit(m, xs,
-        **kw))``: submit and wait for the outputs.
+        **kw))``: submit and wait for the outputs. (A lone caller-stream job is enqueued by the
+        loop at once: no burst can follow it.)
 
         **Cancellation**: cancelled before the job is queued, nothing runs; cancelled after,
         the job runs to completion in the background and its buffers are released then.
         """
-        job = await self.submit(method, inputs, lane=lane, after=after, stream=stream)
+        job = await self._submit(method, inputs, lane, after, stream, True)
         return await job
 
     def _enqueue(self, method: Method, values: list[Any], lane: Lane, after: tuple[Job, ...],
-                 stream: Any, state: _MethodState | None) -> Job:
+                 stream: Any, state: _MethodState | None, awaited: bool) -> Job:
         producers = tuple(v.job for v in values if type(v) is JobOutput)
         if after or producers:
             device_waits = tuple(dict.fromkeys((*after, *producers)))
@@ -378,16 +387,19 @@ class Scheduler:
         if self._queues is not None:
             self._count_stream(job, 1)
         if inline:
-            # Held back until its await (or the loop's next turn): if another submit comes
-            # first, this was the head of a burst, better enqueued by the lane thread while the
-            # loop submits the rest (bench/NOTES.md).
             lane.park(job)
-            job._parked = True
-            self._parked = job
-            self.waker.call_soon(self.start_parked)
+            if awaited:
+                self._run_inline(job)
+            else:
+                # Held back until its await (or the loop's next turn): if another submit comes
+                # first, this was the head of a burst, better enqueued by the lane thread while
+                # the loop submits the rest (bench/NOTES.md).
+                job._parked = True
+                self._parked = job
+                self.waker.call_soon(self.start_parked)
         else:
             lane.put(job)
-        self._check_loop_job_slot(lane)
+            self._check_loop_job_slot(lane)
         return job
 
     def _check_loop_job_slot(self, lane: Lane) -> None:
@@ -496,9 +508,15 @@ class Scheduler:
             return
         self._parked = None
         job._parked = False
-        inline = inline and not job._finished and not job.method.may_wait_on_host()
-        job.lane.unpark(job, inline)
-        if inline and job._loop_owned:
+        if inline and not job._finished and not job.method.may_wait_on_host():
+            self._run_inline(job)
+        else:
+            job.lane.unpark(job)
+
+    def _run_inline(self, job: Job) -> None:
+        """Enqueue a lone job from the loop thread, and keep it for its await's poll."""
+        job.lane.run_inline(job)
+        if job._loop_owned:
             self._loop_job = job
             self._check_loop_job_slot(job.lane)
 

@@ -213,6 +213,31 @@ async def test_the_head_of_a_burst_goes_to_the_lane_thread_in_submit_order(devic
     assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans)), f"out of order: {spans}"
 
 
+async def test_run_enqueues_a_lone_job_at_once_and_holds_nothing_back(device, monkeypatch,
+                                                                       executing_threads):
+    """``run`` awaits its job at once, so no burst can follow: the loop enqueues a lone job
+    there and then, without the next-turn callback that a held-back job needs (~1-3 us on the
+    lone await's path)."""
+    from streamlane.sched._wakeup import LoopWaker
+
+    callbacks = []
+    real = LoopWaker.call_soon
+    monkeypatch.setattr(LoopWaker, "call_soon",
+                        lambda self, fn: (callbacks.append(fn), real(self, fn))[1])
+    method = double_program().method("forward", device=device)
+    stream = device.create_stream()
+    x = on_device(data(2), device)
+    with anyio.fail_after(30):
+        async with Scheduler(device, lanes=1) as sched:
+            for _ in range(3):
+                (y,) = await sched.run(method, [x], stream=stream)
+            assert callbacks == []
+            await (await sched.submit(method, [x], stream=stream))
+            assert len(callbacks) == 1
+    assert executing_threads["double.forward"] == [threading.get_ident()] * 4
+    np.testing.assert_allclose(y.to_host(), 2 * data(2), rtol=1e-6)
+
+
 async def test_a_lone_job_not_awaited_is_enqueued_by_the_loop_at_its_next_turn(
         device, executing_threads):
     """A task that submits and then awaits something else: the job it holds back for the
