@@ -11,9 +11,10 @@ relay when the order was fixed (``sched-ab-cuda.txt``).
     python bench/ab_sched.py --version base=/tmp/s45 --rounds 6
 
 Measures, per loop: the p50 and mean await of a lone caller-stream job (``bench_sched.py``
-(a), "caller stream"), through ``run`` and through ``submit`` then ``await``; the wall time of bursts of 8 single-block 200 us spins on 8 caller
-streams, with the lane thread enqueuing them and by default; and the relay (500 tasks awaiting
-tiny programs on 4 caller streams, ``bench_sched.py`` (c)): programs/s and the p99 await.
+(a), "caller stream"), through ``run`` and through ``submit`` then ``await``; the wall time of
+bursts of 8 single-block 200 us spins on 8 caller streams, with the lane thread enqueuing them
+and by default; and the relay (500 tasks awaiting tiny programs on 4 caller streams,
+``bench_sched.py`` (c)): programs/s and the p99 await.
 Prints one line per figure: the median over the rounds for each version.
 """
 
