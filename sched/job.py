@@ -68,7 +68,9 @@ class JobOutput:
             job.lane._core.start_parked()
         results = job.results
         if results is None:
-            state = f"ended {job._state}" if job._finished else "waits for its lane"
+            state = f"ended {job._state}" if job._finished else \
+                "failed before reaching the device" if job._enqueue_error is not None else \
+                "waits for its lane"
             raise InvalidState(f"output {self.index} of {job!r}: the job {state}, so it has "
                                f"no Result; await the job, or pass this JobOutput as an input "
                                f"of a later submit")
@@ -140,7 +142,8 @@ class Job:
         self.name: str = method.name
         self.lane = lane
         self.stream = stream
-        # Written by the lane before it publishes the job:
+        # Written by the lane before it publishes the job (None until then: a lone job held
+        # back for its await, Scheduler._enqueue, is published once it starts):
         self.event: Event | None = None
         self.results: list[Result] | None = None
         self.span: tuple[float, float] | None = None  # device start/end, s after the reference

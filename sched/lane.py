@@ -202,9 +202,13 @@ class Lane:
         ``exception()``): settle it here if the device has finished it, so what the loop sees
         agrees with the device. Without this, a job could look unfinished after a job ordered
         after it (``after=``, another lane) had been settled, until its own waiter reported it.
-        Elsewhere (a repr in a lane thread's message) it does nothing."""
+        A job held back for its await (``Scheduler.start_parked``) is started here, so code that
+        polls ``done()`` without letting the loop turn still sees it finish. Elsewhere (a repr
+        in a lane thread's message) it does nothing."""
         if threading.get_ident() != self._core.waker.loop_thread:
             return
+        if job._parked:  # looked at before its await: start it (a caller may poll done())
+            self._core.start_parked()
         self.release(job)
         if job._finished or not job._is_published or job._enqueue_error is not None:
             return

@@ -239,12 +239,13 @@ class Scheduler:
             return
         self._state = _CLOSING
         self._closed = anyio.Event()
+        if error:
+            self._cancelling = True  # before the parked job reaches the lane thread, which
+            # would otherwise run it: a job not yet enqueued is cancelled
         self._unpark(inline=False)
         self._release_loop_job()
         with anyio.CancelScope(shield=True):
             try:
-                if error:
-                    self._cancelling = True
                 while self._pending:
                     await next(iter(self._pending))._wait_done()
                 for lane in self.lanes:
@@ -319,7 +320,7 @@ class Scheduler:
         slots = target.slots
         assert slots is not None
         if self._parked is not None:  # a burst: its head goes to the lane thread, in order
-            self._unpark(inline=False)
+            self._unpark(inline=False)  # now: this submit may wait for room (or fail) below
         if self._loop_job is not None:
             self._settle_loop_job()
         try:
@@ -354,6 +355,8 @@ class Scheduler:
 
     def _enqueue(self, method: Method, values: list[Any], lane: Lane, after: tuple[Job, ...],
                  stream: Any, state: _MethodState | None, awaited: bool) -> Job:
+        if self._parked is not None:  # parked while this submit waited for room: ahead of it
+            self._unpark(inline=False)
         producers = tuple(v.job for v in values if type(v) is JobOutput)
         if after or producers:
             device_waits = tuple(dict.fromkeys((*after, *producers)))

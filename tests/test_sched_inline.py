@@ -18,7 +18,7 @@ import pytest
 from sched_helpers import BACKENDS, Gate, data, double_program, spin_program, wait_until
 
 from streamlane.runtime import Method, Program, Result
-from streamlane.runtime.errors import InvalidArgument, InvalidState
+from streamlane.runtime.errors import InvalidArgument, InvalidState, StreamClosed
 from streamlane.runtime.result import PooledBuffer
 from streamlane.sched import Scheduler
 from streamlane.sched.lane import Lane
@@ -241,15 +241,17 @@ async def test_run_enqueues_a_lone_job_at_once_and_holds_nothing_back(device, mo
 async def test_a_lone_job_not_awaited_is_enqueued_by_the_loop_at_its_next_turn(
         device, executing_threads):
     """A task that submits and then awaits something else: the job it holds back for the
-    await is enqueued by the loop at its next turn, so the device works meanwhile."""
+    await is enqueued by the loop at its next turn, so the device works meanwhile. (Only
+    attributes are read here: looking at the job, ``done()`` or ``state``, would start it.)"""
     method = double_program().method("forward", device=device)
     stream = device.create_stream()
     x = on_device(data(2), device)
     with anyio.fail_after(30):
         async with Scheduler(device, lanes=1) as sched:
             job = await sched.submit(method, [x], stream=stream)
-            assert job.state == "queued"
-            await wait_until(job.done)  # never awaited: other awaits only
+            assert job.event is None, "held back, not enqueued inside submit"
+            await wait_until(lambda: job.event is not None)  # other awaits only
+            await wait_until(job.done)
             (y,) = await job
     assert executing_threads["double.forward"] == [threading.get_ident()]
     np.testing.assert_allclose(y.to_host(), 2 * data(2), rtol=1e-6)
@@ -276,6 +278,13 @@ async def test_a_lone_jobs_output_results_exist_when_submit_returns(device):
                 _ = waiting.outputs[0].result
             gate.open()
             await waiting
+            closing = device.create_stream()
+            doomed = await sched.submit(lone, [x], stream=closing)  # held back
+            closing.close()
+            with pytest.raises(InvalidState, match="failed before reaching the device"):
+                _ = doomed.outputs[0].result
+            with pytest.raises(StreamClosed):
+                await doomed
     np.testing.assert_allclose(result.to_host(), 2 * data(4), rtol=1e-6)
 
 
@@ -297,6 +306,92 @@ async def test_leaving_with_a_job_held_back_drains_or_cancels_it(device, error):
     if not error:
         (y,) = await job
         np.testing.assert_allclose(y.to_host(), 2 * data(1), rtol=1e-6)
+
+
+async def test_polling_done_without_yielding_starts_a_held_back_job(device):
+    """Code that submits and then polls ``done()`` without letting the loop turn (a blocking
+    wait, bad form on a loop but legal) must still see the job finish: looking at a job held
+    back for its await starts it, as before the hold-back, when it ran inside submit."""
+    method = double_program().method("forward", device=device)
+    stream = device.create_stream()
+    x = on_device(data(6), device)
+    with anyio.fail_after(30):
+        async with Scheduler(device, lanes=1) as sched:
+            job = await sched.submit(method, [x], stream=stream)
+            deadline = time.monotonic() + 5
+            while not job.done() and time.monotonic() < deadline:
+                time.sleep(0.001)
+            assert job.done(), "the job never started while the loop did not turn"
+            (y,) = await job
+    np.testing.assert_allclose(y.to_host(), 2 * data(6), rtol=1e-6)
+
+
+async def test_leaving_on_an_error_cancels_a_held_back_job_however_quick_the_lane_is(
+        device, monkeypatch):
+    """On an error exit the held-back job goes to its lane thread to be refused; the lane
+    thread may take it at once, so the scheduler must be cancelling before it hands it over.
+    Here ``unpark`` waits until the lane thread has dealt with the job: the quickest lane."""
+    real = Lane.unpark
+
+    def unpark_and_wait(self, job):
+        real(self, job)
+        assert job._published(10), "the lane thread never took the job"
+
+    monkeypatch.setattr(Lane, "unpark", unpark_and_wait)
+    method = double_program().method("forward", device=device)
+    stream = device.create_stream()
+    x = on_device(data(1), device)
+    with anyio.fail_after(30), pytest.raises(RuntimeError):
+        async with Scheduler(device, lanes=1) as sched:
+            job = await sched.submit(method, [x], stream=stream)
+            raise RuntimeError("leaving on an error")
+    assert job.state == "cancelled"
+    assert sched.statistics()[0].queued == 0 and sched.statistics()[0].completed == 1
+
+
+@pytest.mark.parametrize("repeat", range(2))
+async def test_a_submit_that_waited_for_room_stays_behind_a_job_held_back_meanwhile(
+        device, repeat):
+    """X waits for room on a full lane; the jobs holding it finish in one batch, which wakes
+    the task that awaited the first of them before X. That task submits P, lone (X is not
+    pending yet), so P is held back; X then resumes. X was submitted after P, on the same
+    stream: P goes to the lane thread first. (On trio the wake order is random: when X runs
+    first there is nothing to check.)"""
+    first, second = (double_program(n).method("forward", device=device) for n in ("j1", "j2"))
+    late, early = (spin_program(3000, n).method("forward", device=device) for n in ("X", "P"))
+    held, free, stream = device.create_stream(), device.create_stream(), device.create_stream()
+    x = on_device(data(0), device)
+    seen = {}
+    with anyio.fail_after(30):
+        async with Scheduler(device, lanes=1, queue_size=2) as sched:
+            with device.create_latch() as latch:
+                latch.hold(held)
+                j1 = await sched.submit(first, [x], stream=held)
+                await sched.submit(second, [x], stream=free)
+
+                async def submit_late():
+                    seen["X"] = await sched.submit(late, [x], stream=stream)  # waits for room
+                    time.sleep(0.02)  # work on the loop: X's lane thread is first to the stream
+
+                async def submit_early():
+                    await j1
+                    seen["P"] = await sched.submit(early, [x], stream=stream)
+                    await anyio.sleep(0)  # anything but awaiting P at once
+                    await seen["P"]
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(submit_late)
+                    tg.start_soon(submit_early)
+                    while sched.lanes[0].slots.statistics().tasks_waiting == 0:
+                        await anyio.sleep(0.001)
+                    await anyio.sleep(0.05)  # the second job finishes; j1 waits for the latch
+                    latch.release()
+                await seen["X"]
+    p, late_job = seen["P"], seen["X"]
+    if p.id > late_job.id:
+        pytest.skip("X's submit resumed first (trio's random wake order): no hold-back")
+    assert p.span is not None and late_job.span is not None
+    assert p.span[1] <= late_job.span[0], f"X {late_job.span} overtook P {p.span}"
 
 
 @pytest.mark.parametrize("anyio_backend", ["trio"])
