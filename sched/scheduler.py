@@ -319,8 +319,6 @@ class Scheduler:
         target = self._pick_lane(method, lane, state)
         slots = target.slots
         assert slots is not None
-        if self._parked is not None:  # a burst: its head goes to the lane thread, in order
-            self._unpark(inline=False)  # now: this submit may wait for room (or fail) below
         if self._loop_job is not None:
             self._settle_loop_job()
         try:
@@ -355,8 +353,8 @@ class Scheduler:
 
     def _enqueue(self, method: Method, values: list[Any], lane: Lane, after: tuple[Job, ...],
                  stream: Any, state: _MethodState | None, awaited: bool) -> Job:
-        if self._parked is not None:  # parked while this submit waited for room: ahead of it
-            self._unpark(inline=False)
+        if self._parked is not None:  # a burst (or a job parked while this submit waited for
+            self._unpark(inline=False)  # room): it goes to the lane thread, ahead of this job
         producers = tuple(v.job for v in values if type(v) is JobOutput)
         if after or producers:
             device_waits = tuple(dict.fromkeys((*after, *producers)))
@@ -497,10 +495,9 @@ class Scheduler:
             raise SchedulerClosed(f"{self!r} is closed; no new work is accepted")
 
     def start_parked(self) -> None:
-        """Enqueue the parked job from the loop thread: its first ``await``, or the loop's next
-        turn (``call_soon``), whichever comes first."""
-        if self._parked is not None:
-            self._unpark(inline=True)
+        """Enqueue the parked job from the loop thread: its first ``await``, the loop's next
+        turn (``call_soon``), or user code looking at it, whichever comes first."""
+        self._unpark(inline=True)
 
     def _unpark(self, inline: bool) -> None:
         """Start the parked job (loop thread): on the loop (``inline``) unless it may now wait
