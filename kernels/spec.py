@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +19,19 @@ from typing import Any
 import numpy as np
 
 Shape = tuple[int, ...]
+
+_PLAIN_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_\-]*")
+
+
+def member_path(where: str, key: str) -> str:
+    """The JSON path of ``key`` under ``where``: ``where.key`` for a plain key, else
+    ``where['key']``, so that a name holding a dot ("a.b") is never read as two levels.
+    Keys come from untrusted files: one longer than 128 characters is cut."""
+    plain = _PLAIN_KEY.fullmatch(key)
+    key = key if len(key) <= 128 else key[:125] + "..."
+    if plain:
+        return f"{where}.{key}" if where else key
+    return f"{where}[{key!r}]"
 
 
 class KernelSpecError(ValueError):
@@ -88,8 +102,8 @@ class KernelSpec:
         for key in given:
             if key not in self.params:
                 known = ", ".join(sorted(self.params)) or "none"
-                raise KernelSpecError(f"params.{key}", f"one of the params of {self.name} "
-                                      f"({known})", key)
+                raise KernelSpecError(member_path("params", key),  # an untrusted key
+                                      f"one of the params of {self.name} ({known})", key)
         for key, p in self.params.items():
             if key not in given:
                 if p.default is None:

@@ -53,7 +53,8 @@ class NotSupported(StreamlaneError):
 class InvalidProgram(StreamlaneError):
     """A program definition (file or builder) is invalid.
 
-    Fields: ``path`` (JSON path of the bad field, e.g. ``methods.forward.steps[2].in[0]``),
+    Fields: ``path`` (JSON path of the bad field, e.g. ``methods.forward.steps[2].in[0]``; a key
+    that is not a plain name, such as one holding a dot, is quoted: ``methods['enc.v2']``),
     ``expected`` and ``got``.
     """
 

@@ -21,6 +21,7 @@ import numpy as np
 from numpy.lib import format as npy_format
 
 from streamlane.kernels import KernelSpecError, UnknownKernel, get_kernel
+from streamlane.kernels.spec import member_path
 
 from .dtypes import DTYPES, dtype_name
 from .errors import InvalidArgument, InvalidProgram, NotSupported
@@ -125,10 +126,10 @@ class Program:
                              object_pairs_hook=_unique_keys)
         except (ValueError, RecursionError) as exc:
             raise InvalidProgram("", "well-formed JSON", _located(str(exc), raw)) from None
-        constants: dict[str, np.ndarray] = {}
-        if isinstance(doc, dict) and isinstance(doc.get("constants"), str):
-            constants = _read_npz(path.parent, doc["constants"])
-        return cls.from_manifest(doc, constants)
+        # The .npz is read once the manifest's own fields (format, name, the file name) are
+        # known to be good: a bad manifest is reported as such, whatever lies beside it.
+        return _Validator(doc, {}, {}, read_constants=lambda name: _read_npz(path.parent, name)
+                          ).program()
 
     @classmethod
     def from_manifest(cls, doc: Any, constants: Mapping[str, np.ndarray] | None = None,
@@ -243,7 +244,7 @@ class MethodBuilder:
         self.name = name
         self._inputs = []
         for i, (k, decl) in enumerate(inputs.items()):
-            where = f"methods.{name}.inputs[{i}]"
+            where = f"{member_path('methods', name)}.inputs[{i}]"
             if not isinstance(decl, (tuple, list)) or len(decl) != 2:
                 raise InvalidProgram(where, "(dtype, shape)", decl)
             d, shape = decl
@@ -261,7 +262,7 @@ class MethodBuilder:
     def step(self, kernel: str, *ins: str, out: str | None = None, **params: Any) -> str:
         """Append a kernel step; its single output buffer is declared with the shape the kernel
         infers. Returns the output's name (``out`` or a fresh one)."""
-        where = f"methods.{self.name}.steps[{len(self._steps)}]"
+        where = f"{member_path('methods', self.name)}.steps[{len(self._steps)}]"
         try:
             spec = get_kernel(kernel)
         except UnknownKernel as exc:
@@ -289,7 +290,8 @@ class MethodBuilder:
         """Append a callable step: ``fn(stream, ins, outs)`` enqueues its work on ``stream``
         (device arrays in, device arrays out)."""
         if not callable(fn):
-            raise InvalidProgram(f"methods.{self.name}.steps[{len(self._steps)}].callable",
+            raise InvalidProgram(f"{member_path('methods', self.name)}.steps[{len(self._steps)}]"
+                                 ".callable",
                                  "a callable fn(stream, ins, outs)", type(fn).__name__)
         name = name or getattr(fn, "__name__", "callable")
         base, n = name, 1
@@ -412,10 +414,12 @@ def _read_npy(member: Any, size: int, key: str, name: str) -> np.ndarray:
 
 
 class _Validator:
-    def __init__(self, doc: Any, constants: dict[str, np.ndarray], callables: dict[str, StepFn]):
+    def __init__(self, doc: Any, constants: dict[str, np.ndarray], callables: dict[str, StepFn],
+                 read_constants: Callable[[str], dict[str, np.ndarray]] | None = None):
         self.doc = doc
         self.constants = constants
         self.callables = callables
+        self.read_constants = read_constants  # reads the named constants file (Program.load)
 
     def program(self) -> Program:
         doc = self._obj(self.doc, "", required=("format", "name", "methods"),
@@ -432,13 +436,15 @@ class _Validator:
         if constants_file is not None and not isinstance(constants_file, str):
             raise InvalidProgram("constants", "the file name of the constants .npz",
                                  constants_file)
+        if constants_file is not None and self.read_constants is not None:
+            self.constants = self.read_constants(constants_file)
         consts = self._constants(doc.get("constant_tensors"))
         methods = doc["methods"]
         if not isinstance(methods, dict) or not methods:
             raise InvalidProgram("methods", "a non-empty object of methods", methods)
         defs = {}
         for mname, mdoc in methods.items():
-            self._name(mname, f"methods.{_key(mname)}")
+            self._name(mname, member_path("methods", mname))
             defs[mname] = self._method(mname, mdoc, consts)
         used = {n for m in defs.values() for s in m.steps if s.kind == "callable"
                 for n in [s.target]}
@@ -488,7 +494,7 @@ class _Validator:
         return consts
 
     def _method(self, mname: str, mdoc: Any, consts: dict[str, np.ndarray]) -> MethodDef:
-        base = f"methods.{mname}"
+        base = member_path("methods", mname)
         m = self._obj(mdoc, base, required=("inputs", "steps", "outputs"),
                       optional=("buffers",))
         tensors: dict[str, tuple[str, tuple[int, ...], str]] = {
@@ -593,7 +599,7 @@ class _Validator:
             resolved = spec.resolve_params(params)
             inferred = spec.infer([tensors[n][1] for n in ins], resolved)
         except KernelSpecError as exc:
-            raise InvalidProgram(_join(where, exc.where), exc.expected, exc.got) from None
+            raise InvalidProgram(f"{where}.{exc.where}", exc.expected, exc.got) from None
         for j, (want, n) in enumerate(zip(inferred, outs, strict=True)):
             if want is not None and tuple(want) != tensors[n][1]:
                 raise InvalidProgram(f"{where}.out[{j}]", f"a tensor of shape {list(want)} "
@@ -606,10 +612,10 @@ class _Validator:
             raise InvalidProgram(where, "an object", type(value).__name__)
         for key in required:
             if key not in value:
-                raise InvalidProgram(_join(where, key), "a value (required field)")
+                raise InvalidProgram(member_path(where, key), "a value (required field)")
         extra = set(value) - set(required) - set(optional)
         if extra:
-            raise InvalidProgram(_join(where, sorted(extra)[0]),
+            raise InvalidProgram(member_path(where, sorted(extra)[0]),
                                  f"one of the fields {', '.join((*required, *optional))}",
                                  sorted(extra)[0])
         return value
@@ -648,8 +654,3 @@ def _key(key: str) -> str:
     """A manifest key as it appears in an error's JSON path: an untrusted file may use a
     megabyte-long one. Valid names (at most 128 characters) are never cut."""
     return key if len(key) <= 128 else key[:125] + "..."
-
-
-def _join(where: str, key: str) -> str:
-    return f"{where}.{_key(key)}" if where else _key(key)
-

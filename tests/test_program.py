@@ -208,6 +208,53 @@ def test_malformed_json_and_files(tmp_path):
     assert info.value.path == "constants"
 
 
+def test_a_bad_manifest_is_reported_before_its_constants_are_read(tmp_path):
+    """The manifest's own fields are checked before the .npz is opened: a wrong format or
+    name is reported as such even when the constants beside it are damaged or missing."""
+    for where, value in ((("format",), 2), (("name",), "1p"), (("device_index",), -1)):
+        path = write(tmp_path, mutate(manifest(), where, value))
+        (tmp_path / "p.npz").write_bytes(b"garbage")
+        with pytest.raises(InvalidProgram) as info:
+            Program.load(path)
+        assert info.value.path == where[0], str(info.value)
+        (tmp_path / "p.npz").unlink()
+        with pytest.raises(InvalidProgram) as info:
+            Program.load(path)
+        assert info.value.path == where[0], str(info.value)
+    path = write(tmp_path, manifest())
+    (tmp_path / "p.npz").unlink()
+    with pytest.raises(InvalidProgram, match=r"readable \.npz") as info:
+        Program.load(path)
+    assert info.value.path == "constants"
+
+
+def test_names_holding_dots_are_quoted_in_error_paths(tmp_path):
+    """Names may hold '.', so a path never joins such a name with dots: "methods['a.b']" is
+    one method, "methods.a.b" would read as two levels."""
+    doc = manifest()
+    doc["methods"]["enc.v2"] = copy.deepcopy(doc["methods"]["forward"])
+    doc["methods"]["enc.v2"]["steps"][0]["kernel"] = "nope"
+    with pytest.raises(InvalidProgram) as info:
+        Program.load(write(tmp_path, doc))
+    assert info.value.path == "methods['enc.v2'].steps[0].kernel"
+    doc = mutate(manifest(), ("methods", "forward", "steps", 2, "params", "us.max"), 1)
+    with pytest.raises(InvalidProgram) as info:
+        Program.load(write(tmp_path, doc))
+    assert info.value.path == "methods.forward.steps[2].params['us.max']"
+    doc = mutate(manifest(), ("methods", "forward", "in.puts"), [])
+    with pytest.raises(InvalidProgram) as info:
+        Program.load(write(tmp_path, doc))
+    assert info.value.path == "methods.forward['in.puts']"
+    builder = Program.build("p", {"w1": W})
+    m = builder.method("enc.v2", x=("float32", (4, 16)))
+    with pytest.raises(InvalidProgram) as info:
+        m.step("nope", "x")
+    assert info.value.path == "methods['enc.v2'].steps[0].kernel"
+    with pytest.raises(InvalidProgram) as info:
+        builder.method("dec-v2", x=("float32", (4, 16))).step("nope", "x")
+    assert info.value.path == "methods.dec-v2.steps[0].kernel"
+
+
 def _npz_with(tmp_path, members, compression=None):
     """Write p.json and a p.npz holding ``members`` ({member name: bytes}) as given."""
     import zipfile
