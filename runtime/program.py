@@ -171,7 +171,11 @@ class Program:
 
     # -- binding --------------------------------------------------------------------------
     def method(self, name: str, device: Device | str | None = None, **options: Any) -> Method:
-        """Bind method ``name`` to ``device`` (a Device or a name for ``get_device``)."""
+        """Bind method ``name`` to ``device`` (a Device or a name for ``get_device``).
+
+        With ``device=None`` (or ``"auto"``) the device is ``get_device()``'s choice; when that
+        is a GPU and the program names a ``device_index`` (and ``STREAMLANE_DEVICE`` does not
+        force a device), it is that GPU. The host device has one index and takes any program."""
         from .device import Device, get_device
         from .method import Method
 
@@ -179,7 +183,12 @@ class Program:
             raise InvalidArgument(f"program {self.name!r} has no method {name!r}; methods: "
                                   f"{', '.join(self.methods)}")
         if not isinstance(device, Device):
+            chosen = device is None or device == "auto"
             device = get_device(device)
+            if (chosen and device.kind == "cuda" and self.device_index is not None
+                    and not os.environ.get("STREAMLANE_DEVICE")
+                    and device.name != f"cuda:{self.device_index}"):
+                device = get_device(f"cuda:{self.device_index}")
         return Method(self, self.methods[name], device, options)
 
     def __eq__(self, other: object) -> bool:

@@ -228,6 +228,40 @@ def test_a_bad_manifest_is_reported_before_its_constants_are_read(tmp_path):
     assert info.value.path == "constants"
 
 
+def test_device_index_picks_the_gpu_only_when_the_device_is_left_to_auto(tmp_path, monkeypatch):
+    """A program's ``device_index`` chooses the GPU when ``method()`` is given no device (or
+    "auto") and nothing forces one; a named device or ``STREAMLANE_DEVICE`` wins; the host
+    device takes any program."""
+    from streamlane.runtime import device as device_module
+    from streamlane.runtime import get_device
+    from streamlane.runtime import method as method_module
+
+    program = Program.load(write(tmp_path, mutate(manifest(), ("device_index",), 3)))
+    monkeypatch.delenv("STREAMLANE_DEVICE", raising=False)
+    host = get_device("host")
+    monkeypatch.setattr(device_module, "get_device", lambda name=None: host)  # auto: no GPU
+    assert program.method("forward").device is host
+
+    class FakeGpu:
+        kind = "cuda"
+
+        def __init__(self, name):
+            self.name = name
+
+    def fake_get_device(name=None):
+        return FakeGpu("cuda:0" if name in (None, "auto", "cuda") else name)
+
+    monkeypatch.setattr(device_module, "get_device", fake_get_device)
+    monkeypatch.setattr(device_module, "Device", FakeGpu)
+    monkeypatch.setattr(method_module, "Method", lambda program, mdef, device, options: device)
+    assert program.method("forward").name == "cuda:3"
+    assert program.method("forward", device="auto").name == "cuda:3"
+    assert program.method("forward", device="cuda:0").name == "cuda:0"
+    assert program.method("forward", device=FakeGpu("cuda:1")).name == "cuda:1"
+    monkeypatch.setenv("STREAMLANE_DEVICE", "cuda")
+    assert program.method("forward").name == "cuda:0"
+
+
 def test_names_holding_dots_are_quoted_in_error_paths(tmp_path):
     """Names may hold '.', so a path never joins such a name with dots: "methods['a.b']" is
     one method, "methods.a.b" would read as two levels."""
