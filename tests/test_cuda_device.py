@@ -82,6 +82,20 @@ def test_a_device_index_past_the_count_names_the_count(cuda_device):
 
 
 @pytest.mark.cuda
+def test_a_program_device_index_binds_that_gpu_or_names_the_count(cuda_device, monkeypatch):
+    from streamlane.runtime.examples import load
+
+    monkeypatch.delenv("STREAMLANE_DEVICE", raising=False)
+    encoder = load("encoder")
+    encoder.device_index = 0
+    assert encoder.method("forward").device is cuda_device
+    encoder.device_index = 99
+    with pytest.raises(DeviceError, match=r"does not exist: the driver found \d+ device"):
+        encoder.method("forward")
+    assert encoder.method("forward", device=cuda_device).device is cuda_device
+
+
+@pytest.mark.cuda
 def test_per_thread_stream_differs_between_threads_and_is_one_object_per_thread(cuda_device):
     mine = cuda_device.per_thread_stream()
     assert cuda_device.per_thread_stream() is mine
