@@ -83,16 +83,20 @@ def test_a_device_index_past_the_count_names_the_count(cuda_device):
 
 @pytest.mark.cuda
 def test_a_program_device_index_binds_that_gpu_or_names_the_count(cuda_device, monkeypatch):
+    from streamlane.runtime import Program
     from streamlane.runtime.examples import load
 
     monkeypatch.delenv("STREAMLANE_DEVICE", raising=False)
-    encoder = load("encoder")
-    encoder.device_index = 0
-    assert encoder.method("forward").device is cuda_device
-    encoder.device_index = 99
+    shipped = load("encoder")
+
+    def placed(index):
+        doc = {**shipped.to_manifest(), "device_index": index}
+        return Program.from_manifest(doc, shipped.constants)
+
+    assert placed(0).method("forward").device is cuda_device
     with pytest.raises(DeviceError, match=r"does not exist: the driver found \d+ device"):
-        encoder.method("forward")
-    assert encoder.method("forward", device=cuda_device).device is cuda_device
+        placed(99).method("forward")
+    assert placed(99).method("forward", device=cuda_device).device is cuda_device
 
 
 @pytest.mark.cuda
