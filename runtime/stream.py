@@ -16,6 +16,7 @@ that it is used from its own thread.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import weakref
 from collections.abc import Iterator
@@ -29,6 +30,8 @@ if TYPE_CHECKING:
     from .event import Event
 
 __all__ = ["CallerStream", "Stream", "current_stream"]
+
+_SERIALS = itertools.count(1)
 
 PER_THREAD = "per-thread"
 LEGACY = "legacy"
@@ -52,9 +55,13 @@ class Stream:
         self._impl = impl
         self._keepalive = keepalive  # the foreign object we borrow from, kept alive while used
         self._closed = False
-        # Identity of the device queue: the per-thread handle means a different stream on every
-        # thread, so the owning thread is part of the key.
-        self.key = (device.name, kind if kind == PER_THREAD else "stream", handle, owner_thread)
+        # Identity of the device queue. A per-thread stream is its thread's own queue, and a
+        # thread's id is reused once the thread ends; an owned stream's handle may be handed out
+        # again by the next create_stream() while the destroyed stream's work still runs. So
+        # each of those is a queue of its own, named by a serial. A foreign stream is known by
+        # its handle alone (another library's wrapper of the same handle is the same queue).
+        serial = next(_SERIALS) if kind in (PER_THREAD, OWNED) else 0
+        self.key = (device.name, kind if kind == PER_THREAD else "stream", handle, serial)
         self._finalizer = (weakref.finalize(self, device._destroy_stream, impl)
                            if kind == OWNED else None)
 

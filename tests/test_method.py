@@ -7,6 +7,7 @@ import time
 
 import numpy as np
 import pytest
+from thread_helpers import in_thread
 
 from streamlane.runtime import CallerStream, Program, Result
 from streamlane.runtime import method as method_module
@@ -380,6 +381,57 @@ def test_handoff_to_a_caller_stream_waits_on_the_device(device):
         latch.release()
         with CallerStream(s):
             check(p, [x], [r])
+
+
+def test_a_thread_reusing_an_ended_threads_id_is_still_handed_off(host):
+    """CPython gives a new thread the id of one that ended. On the host device the ended
+    thread's queue still drains, so the new thread's per-thread stream is another queue and
+    rule 4 must make it wait: the second execute may not run while a latch holds the first."""
+    p = mlp()
+    m = p.method("forward", device=host)
+    x1, x2 = x_for(p), x_for(p)
+    box = {}
+    with host.create_latch() as latch:
+        def first():
+            latch.hold(host.per_thread_stream())
+            box["r1"] = m([x1])[0]
+            return threading.get_ident()
+
+        def second():
+            box["r2"] = m([x2])[0]
+            return threading.get_ident()
+
+        ident = in_thread(first)
+        if in_thread(second) != ident:
+            latch.release()
+            pytest.skip("the second thread did not get the ended thread's id")
+        time.sleep(0.05)
+        assert not box["r2"].ready(), "the new thread's execute ran before the held one"
+        latch.release()
+    check(p, [x1], [box["r1"]])
+    check(p, [x2], [box["r2"]])
+
+
+def test_a_stream_created_after_one_was_closed_is_handed_off(device):
+    """A closed stream's work may still be running (CUDA releases it afterwards) while the next
+    create_stream() returns the same handle: the method must still hand off to the new one."""
+    p = mlp()
+    m = p.method("forward", device=device)
+    x1, x2 = x_for(p), x_for(p)
+    with device.create_latch() as latch:
+        first = device.create_stream()
+        latch.hold(first)
+        with CallerStream(first):
+            r1 = m([x1])[0]
+        first.close()
+        with device.create_stream() as second:
+            with CallerStream(second):
+                r2 = m([x2])[0]
+            time.sleep(0.05)
+            assert not r2.ready(), "the execute on the new stream ran before the held one"
+            latch.release()
+            check(p, [x1], [r1])
+            check(p, [x2], [r2])
 
 
 def test_concurrent_execute_from_two_threads_is_refused(host):
