@@ -71,12 +71,22 @@ _capsule_is_valid = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_ch
     ("PyCapsule_IsValid", ctypes.pythonapi))
 _capsule_get_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p)(
     ("PyCapsule_GetPointer", ctypes.pythonapi))
+_err_occurred = ctypes.PYFUNCTYPE(ctypes.c_void_p)(("PyErr_Occurred", ctypes.pythonapi))
 _capsule_get_pointer_obj = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object,
                                              ctypes.c_char_p)(
     ("PyCapsule_GetPointer", ctypes.pythonapi))
 
 
 def _capsule_gone(capsule: int) -> None:
+    # A consumer that refuses the tensor (numpy and bfloat16) drops the capsule with its error
+    # already set, and ctypes then fails every call that takes arguments, which left the export
+    # (and its buffer) held for good. A call without arguments raises that pending error here,
+    # which clears it; the consumer then reports a SystemError instead of its own error, which
+    # ctypes cannot set back.
+    try:
+        _err_occurred()
+    except BaseException:  # the consumer's error, nothing of ours
+        pass
     # Unconsumed capsules still carry the name "dltensor": then the producer frees.
     if _capsule_is_valid(capsule, _NAME):
         ptr = _capsule_get_pointer(capsule, _NAME)

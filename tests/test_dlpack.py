@@ -79,3 +79,20 @@ def test_bfloat16_has_its_own_type_code():
     managed = dlpack.DLManagedTensor.from_address(dlpack.capsule_pointer(capsule))
     assert (managed.dl_tensor.dtype.code, managed.dl_tensor.dtype.bits) == (4, 16)
     assert managed.dl_tensor.ndim == 1 and managed.dl_tensor.shape[0] == 4
+
+
+def test_a_consumer_that_refuses_the_capsule_releases_its_owner():
+    """numpy refuses bfloat16 and drops the capsule with its error already set; the capsule's
+    destructor must still release the export (it held the buffer out of its pool for good)."""
+    owner = _Owner()
+    alive = weakref.ref(owner)
+    before = live_exports()
+    exporter = _Exporter(np.ones(4, ml_dtypes.bfloat16), owner)
+    del owner
+    for _ in range(3):
+        with pytest.raises((RuntimeError, SystemError, TypeError, BufferError)):
+            np.from_dlpack(exporter)
+    assert live_exports() == before
+    del exporter
+    gc.collect()
+    assert alive() is None
