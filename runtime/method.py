@@ -309,6 +309,14 @@ class Method:
                 device.copy_from_host(slot, value, stream)
                 arrays[i] = slot
         pooled = self._take_outputs(stream)
+        if not pooled and len(self._uses) > 1:
+            # clone_outputs=False: the outputs are our own buffers, and a consumer on another
+            # stream may still have to read the last ones (rule 8): wait for every other
+            # stream that used our memory, which then counts as passed.
+            for other, used_by in self._uses.items():
+                if other != key:
+                    stream.wait(used_by)
+            self._uses.clear()
         first = self._n_inputs
         for j, out in enumerate(pooled):
             arrays[first + j] = out.array

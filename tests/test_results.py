@@ -146,6 +146,26 @@ def test_clone_outputs_false_returns_views_the_next_execute_overwrites(device):
     np.testing.assert_array_equal(r1.to_host(), 2 * x2)
 
 
+def test_a_view_read_on_another_stream_is_not_overwritten_before_the_read(device):
+    """clone_outputs=False: the next execute writes the same buffer, but a read already
+    enqueued on another stream (held by a latch) must see the old data (rule 8)."""
+    m = scaler().method("forward", device=device, clone_outputs=False)
+    consumer = scaler(factor=3.0).method("forward", device=device)
+    x1, x2 = rand(), rand()
+    with device.create_latch() as latch, device.create_stream() as held:
+        latch.hold(held)
+        r1 = m([x1])[0]
+        with CallerStream(held):
+            read = consumer([r1])[0]
+        r2 = m([x2])[0]
+        time.sleep(0.05)
+        assert not r2.ready(), "the next execute overwrote the view before its read"
+        latch.release()
+        with CallerStream(held):
+            np.testing.assert_allclose(read.to_host(), 6 * x1, rtol=1e-6)
+    np.testing.assert_array_equal(r2.to_host(), 2 * x2)
+
+
 def test_a_views_method_refuses_its_own_output_as_input(device):
     """With clone_outputs=False an execute writes its outputs in place: fed back as an input,
     an output would be read and overwritten by the same execute (on CUDA a tiled matmul races
