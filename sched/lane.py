@@ -483,7 +483,7 @@ class Lane:
                     self._handed -= len(batch)
                 # Not held while waiting for the next job: a finished job's Results keep its
                 # buffers out of the method's pool.
-                del job, batch
+                job = batch = nxt = None
         finally:
             park = self._parking()
             if self.exited is not None:

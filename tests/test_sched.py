@@ -548,3 +548,24 @@ async def test_finished_jobs_are_freed_without_the_cycle_collector(host):
             finally:
                 gc.enable()
     np.testing.assert_array_equal(out.to_host(), 4 * x)
+
+
+async def test_jobs_settled_by_the_waiter_are_not_kept_by_it(host):
+    """The waiter thread settles a batch of jobs and then waits for the next: it must not keep
+    the last of them (and its output buffers) alive while it waits."""
+    import weakref
+
+    m = double_program().method("forward", device=host)
+    with anyio.fail_after(30):
+        async with Scheduler(host, lanes=1) as sched:
+            with host.create_stream() as held, host.create_latch() as latch:
+                latch.hold(held)
+                jobs = [await sched.submit(m, [data(i)], stream=held) for i in range(5)]
+                latch.release()
+                for job in jobs:
+                    await job
+            refs = [weakref.ref(job) for job in jobs]
+            del jobs, job
+            await anyio.sleep(0.05)
+            gc.collect()
+            assert [i for i, ref in enumerate(refs) if ref() is not None] == []
