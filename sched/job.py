@@ -225,6 +225,8 @@ class Job:
         its device work runs to completion, its buffers stay alive until then, and the
         scheduler releases them in the background.
         """
+        if threading.get_ident() != self.lane._core.waker.loop_thread:
+            self.lane._core.check_loop_thread(f"await {self!r}")
         if self._parked:  # a lone job the loop enqueues now, at its first await
             self.lane._core.start_parked()
         if self._finished:

@@ -151,6 +151,7 @@ class Scheduler:
         self.lanes: tuple[Lane, ...] = tuple(Lane(self, i, self.device, queue_size)
                                              for i in range(lanes))
         self.waker: LoopWaker  # set on entry, inside the running loop
+        self._loop_thread: int | None = None  # the thread of that loop
         self._state = _NEW
         self._closed: anyio.Event | None = None  # set once a close has joined every thread
         self._cancelling = False
@@ -186,6 +187,7 @@ class Scheduler:
         if self._state != _NEW:
             raise InvalidState(f"{self!r} was already entered; create a new Scheduler")
         self.waker = LoopWaker()
+        self._loop_thread = self.waker.loop_thread
         self._state = _OPEN
         for lane in self.lanes:
             lane.slots = anyio.Semaphore(self.queue_size)
@@ -237,6 +239,7 @@ class Scheduler:
         if self._state == _NEW:
             self._state = _CLOSED
             return
+        self.check_loop_thread("closing the scheduler")
         self._state = _CLOSING
         self._closed = anyio.Event()
         if error:
@@ -246,15 +249,17 @@ class Scheduler:
         self._release_loop_job()
         with anyio.CancelScope(shield=True):
             try:
-                while self._pending:
-                    await next(iter(self._pending))._wait_done()
-                for lane in self.lanes:
-                    lane.stop()
-                for lane in self.lanes:
-                    if lane.thread.ident is not None:
-                        assert lane.exited is not None
-                        await lane.exited.wait()
-                    lane.join()
+                try:
+                    while self._pending:
+                        await next(iter(self._pending))._wait_done()
+                finally:  # whatever the drain raised, nothing is left running
+                    for lane in self.lanes:
+                        lane.stop()
+                    for lane in self.lanes:
+                        if lane.thread.ident is not None:
+                            assert lane.exited is not None
+                            await lane.exited.wait()
+                        lane.join()
             finally:
                 self._state = _CLOSED
                 self.waker.close()
@@ -297,7 +302,8 @@ class Scheduler:
         """``submit``; ``awaited``: the caller awaits the job at once (``run``), so no burst
         can follow it and a lone job is enqueued by the loop here, not held back."""
         await checkpoint_if_cancelled()
-        if self._state is not _OPEN or self._broken is not None:
+        if (self._state is not _OPEN or self._broken is not None
+                or threading.get_ident() != self._loop_thread):
             self._check_open()
         if not isinstance(method, Method):
             raise InvalidArgument(f"submit() takes a Method (program.method(name, device=...)), "
@@ -493,6 +499,16 @@ class Scheduler:
                                "`async with Scheduler(...) as sched:`")
         if self._state != _OPEN:
             raise SchedulerClosed(f"{self!r} is closed; no new work is accepted")
+        self.check_loop_thread("submit()")
+
+    def check_loop_thread(self, what: str) -> None:
+        """Raise ``InvalidState`` unless called on the thread of the event loop that entered
+        the scheduler: its jobs and queues belong to that loop."""
+        if threading.get_ident() != self._loop_thread:
+            raise InvalidState(
+                f"{what} on another thread than the event loop that entered {self!r}; call it "
+                f"from that loop (from another thread: anyio.from_thread.run, or "
+                f"asyncio.run_coroutine_threadsafe / trio.from_thread.run with its loop)")
 
     def start_parked(self) -> None:
         """Enqueue the parked job from the loop thread: its first ``await``, the loop's next

@@ -569,3 +569,28 @@ async def test_jobs_settled_by_the_waiter_are_not_kept_by_it(host):
             await anyio.sleep(0.05)
             gc.collect()
             assert [i for i, ref in enumerate(refs) if ref() is not None] == []
+
+
+async def test_submit_await_and_close_from_another_thread_raise_invalid_state(device):
+    """A scheduler's jobs and queues belong to the loop that entered it: another loop or
+    thread gets InvalidState at once, nothing is submitted, and nothing hangs or leaks."""
+    m = double_program().method("forward", device=device)
+    x = data(0)
+
+    def from_other_loop(fn):
+        async def call():
+            return await fn()
+
+        with pytest.raises(InvalidState, match="another thread than the event loop"):
+            anyio.run(call)
+
+    with anyio.fail_after(30):
+        async with Scheduler(device, lanes=1) as sched:
+            job = await sched.submit(m, [x])
+            await anyio.to_thread.run_sync(from_other_loop, lambda: sched.submit(m, [x]))
+            await anyio.to_thread.run_sync(from_other_loop, job.wait)
+            await anyio.to_thread.run_sync(from_other_loop, sched.aclose)
+            (out,) = await job
+            assert sched.statistics()[0].completed == 1
+    np.testing.assert_array_equal(out.to_host(), 2 * x)
+    assert not [t for t in threading.enumerate() if t.name.startswith("streamlane-lane")]
