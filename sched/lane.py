@@ -89,7 +89,7 @@ class _Core(Protocol):
     async def yield_to_loop(self) -> None: ...
     def yielded(self) -> None: ...
     def broken_error(self) -> BaseException | None: ...
-    def break_(self, error: BaseException, job: Job) -> None: ...
+    def break_(self, error: BaseException, job: Job, doing: str) -> None: ...
     def finish(self, job: Job, state: str, error: BaseException | None) -> None: ...
     def finish_batch(self, jobs: list[Job], error: BaseException | None) -> None: ...
     def record_span(self, span: Span) -> None: ...
@@ -341,7 +341,7 @@ class Lane:
             if job.stream is not None:
                 job._track_handle = stream.handle
         except DeviceError as exc:
-            core.break_(exc, job)
+            core.break_(exc, job, "enqueuing")
             self._not_run(job, FAILED, core.broken_error() or exc)
             return False
         except BaseException as exc:  # the job's own error (bad input, closed stream, ...)
@@ -429,7 +429,7 @@ class Lane:
             with self._lock:
                 self._busy_s += busy
         if error is not None:
-            core.break_(error, batch[0])
+            core.break_(error, batch[0], "waiting for")
             error = core.broken_error() or error
         if on_loop:
             core.finish_batch(batch, error)

@@ -597,16 +597,18 @@ class Scheduler:
         copy.__cause__ = broken.__cause__
         return copy
 
-    def break_(self, error: BaseException, job: Job) -> None:
-        """Mark the scheduler broken by ``error`` (any thread); fails every pending job."""
+    def break_(self, error: BaseException, job: Job, doing: str) -> None:
+        """Mark the scheduler broken by ``error`` (any thread), which a lane saw while
+        ``doing`` ("enqueuing" / "waiting for") ``job``; fails every pending job."""
         with self._broken_lock:
             if self._broken is not None:
                 return
             broken = SchedulerBroken(
-                f"the scheduler is broken: the device failed while {job.name} (job {job.id}) "
-                f"ran on lane {job.lane.index}: {error}. Every pending job failed and no new "
-                f"work is accepted; leave the scheduler and recover the device (a CUDA context "
-                f"error needs a new process)")
+                f"the scheduler is broken: the device failed ({error}); lane {job.lane.index} "
+                f"saw it while {doing} {job.name} (job {job.id}), but a device fault stops all "
+                f"of its work, so another job may have caused it. Every pending job failed and "
+                f"no new work is accepted; leave the scheduler and recover the device (a CUDA "
+                f"context error needs a new process)")
             broken.code = getattr(error, "code", None)
             broken.__cause__ = error
             self._broken = broken
