@@ -107,11 +107,17 @@ class Timeline:
 
     def plot(self, path: str | Path, title: str | None = None) -> Path:
         """Write a PNG timeline (matplotlib, Agg; no global backend change), one row per lane
-        and caller stream. Returns the path."""
+        and caller stream. A path without a suffix gets ``.png``; another suffix than
+        ``.png`` is refused. Returns the path written."""
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
 
         path = _path(path, "plot")
+        if not path.suffix:
+            path = _path(path.with_name(path.name + ".png"), "plot")
+        elif path.suffix.lower() != ".png":
+            raise InvalidArgument(f"Timeline.plot writes a PNG; give a path ending in .png, got "
+                                  f"{str(path)!r} (to_chrome_trace() writes the JSON trace)")
         tracks = self.tracks()
         fig = Figure(figsize=(10, 1.2 + 0.5 * max(1, len(tracks))), dpi=100)
         FigureCanvasAgg(fig)
@@ -141,7 +147,7 @@ class Timeline:
                       loc="upper right", fontsize="small")
         fig.tight_layout()
         path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path)
+        fig.savefig(path, format="png")
         return path
 
     def __repr__(self) -> str:
@@ -153,4 +159,8 @@ def _path(path: object, what: str) -> Path:
     if not isinstance(path, (str, os.PathLike)):
         raise InvalidArgument(f"Timeline.{what} takes a file path (str or os.PathLike), got "
                               f"{type(path).__name__}")
-    return Path(path)
+    path = Path(path)
+    if path.is_dir():
+        raise InvalidArgument(f"Timeline.{what} takes a file path, and {str(path)!r} is a "
+                              f"directory; name a file in it")
+    return path

@@ -150,6 +150,25 @@ def test_exports_take_a_file_path(bad):
         timeline.plot(bad)
 
 
+def test_plot_writes_a_png_at_the_path_it_returns(tmp_path):
+    """The path returned is the file written: a missing suffix gets .png, another suffix and
+    a directory are refused (a directory for the trace too)."""
+    timeline = Timeline([Span(0, "a", 0, "lane 0", 0.0, 1.0)])
+    png = timeline.plot(tmp_path / "timeline")
+    assert png == tmp_path / "timeline.png" and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert timeline.plot(tmp_path / "UPPER.PNG").read_bytes()[:4] == b"\x89PNG"
+    for bad in ("t.svg", "t.json"):
+        with pytest.raises(InvalidArgument, match=r"ending in \.png"):
+            timeline.plot(tmp_path / bad)
+        assert not (tmp_path / bad).exists()
+    (tmp_path / "d").mkdir()
+    with pytest.raises(InvalidArgument, match="is a directory"):
+        timeline.plot(tmp_path / "d")
+    with pytest.raises(InvalidArgument, match="is a directory"):
+        timeline.to_chrome_trace(tmp_path / "d")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["UPPER.PNG", "d", "timeline.png"]
+
+
 @pytest.mark.parametrize("where", ["under a file", "an existing unwritable folder"])
 def test_the_demo_refuses_an_unusable_out_before_running(tmp_path, where):
     if where == "under a file":
