@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -51,10 +52,54 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if not 1 <= args.requests <= MAX_REQUESTS:
-        print(f"streamlane demo: --requests must be in 1..{MAX_REQUESTS} (the demo prepares "
-              f"every request's input before it starts), got {args.requests}", file=sys.stderr)
-        return 2
-    return _demo(args)
+        return _fail(f"--requests must be in 1..{MAX_REQUESTS} (the demo prepares every "
+                     f"request's input before it starts), got {args.requests}", 2)
+    try:
+        return _demo(args)
+    except KeyboardInterrupt:  # the schedulers have already waited for the device's work
+        return _fail("interrupted", 130)
+
+
+def _fail(message: str, code: int) -> int:
+    """Print ``message`` on stderr as it is (no rich markup: it may quote user input)."""
+    from rich.console import Console
+
+    Console(stderr=True, highlight=False).print(f"streamlane demo: {message}", style="red",
+                                                markup=False, soft_wrap=True)
+    return code
+
+
+def _missing_backend(backend: str) -> str | None:
+    """Why ``--backend`` cannot run here, or None."""
+    if backend == "asyncio":
+        return None
+    try:
+        importlib.import_module(backend)
+    except ImportError:
+        how = "pip install 'streamlane[trio]'" if backend == "trio" else \
+            "pip install uvloop (it does not support Windows)"
+        return f"--backend {backend} needs the {backend} package: {how}, or use --backend asyncio"
+    return None
+
+
+def _unusable_out(out: Path) -> str | None:
+    """Why the demo cannot write its files under ``out``, or None. Checked before any work:
+    an unusable --out is a usage error, not a traceback at the end."""
+    from .demo import CONFIGS, output_files
+
+    if out.exists() and not out.is_dir():
+        return f"--out {out} is a file; name a folder (it is created if missing)"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):  # an existing folder may not be writable
+            pass
+    except OSError as exc:
+        return f"cannot write the timelines to --out {out}: {exc.strerror or exc}"
+    taken = [f for config in CONFIGS for f in output_files(out, config) if f.is_dir()]
+    if taken:
+        return f"--out {out}: {taken[0].name} is a folder there, and the demo writes a file " \
+               f"of that name; choose another --out"
+    return None
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -64,24 +109,23 @@ def _demo(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from streamlane.runtime import get_device
-    from streamlane.runtime.errors import StreamlaneError
+    from streamlane.runtime.errors import DeviceError, StreamlaneError
 
     from .demo import CONFIGS, SIZES, demo_programs, run_demo
 
-    console = Console()
+    missing = _missing_backend(args.backend)
+    if missing:
+        return _fail(missing, 2)
     try:
         device = get_device(None if args.device == "auto" else args.device)
     except StreamlaneError as exc:
-        console.print(f"[red]streamlane demo: {exc}[/red]")
-        return 2
-    try:  # before any work: an unusable --out is a usage error, not a traceback at the end
-        args.out.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=args.out):  # an existing folder may not be writable
-            pass
-    except OSError as exc:
-        console.print(f"[red]streamlane demo: cannot write the timelines to --out {args.out}: "
-                      f"{exc.strerror or exc}[/red]")
-        return 2
+        hint = " On the command line, --device host runs on the emulated host device." \
+            if isinstance(exc, DeviceError) else ""
+        return _fail(f"{exc}{hint}", 2)
+    unusable = _unusable_out(args.out)
+    if unusable:
+        return _fail(unusable, 2)
+    console = Console()
     size = args.size if args.size != "auto" else ("large" if device.kind == "cuda" else "small")
     batch, width = SIZES[size]
     console.print(f"streamlane demo on [bold]{device.name}[/bold]: {args.requests} requests "
@@ -102,8 +146,7 @@ def _demo(args: argparse.Namespace) -> int:
                                 backend=backend, backend_options=options)
         except StreamlaneError as exc:
             bar.stop()
-            console.print(f"[red]streamlane demo failed: {type(exc).__name__}: {exc}[/red]")
-            return 1
+            return _fail(f"failed: {type(exc).__name__}: {exc}", 1)
     base = results[0].wall_s
     table = Table(title=f"encoder -> decoder x {args.requests} on {device.name}")
     for column in ("run", "wall", "overlap", "speedup", "correct", "max error"):
@@ -119,10 +162,12 @@ def _demo(args: argparse.Namespace) -> int:
                   "one-lane wall time / wall time; correct: outputs within rtol 1e-3 of the "
                   "float64 reference")
     for r in results:
-        console.print(f"{r.config}: timeline {r.files[0]}, trace {r.files[1]}")
+        console.print(f"{r.config}: timeline {r.files[0]}, trace {r.files[1]}", markup=False,
+                      highlight=False, soft_wrap=True)  # paths are printed whole, as written
     if device.kind == "host":
-        console.print("[dim]host device: kernels are numpy on CPU threads, so overlap is bounded "
-                      "by the cores and the GIL; run on a GPU for device figures.[/dim]")
+        console.print("[dim]host device: kernels are numpy on CPU threads that share the cores "
+                      "and the GIL, so jobs run longer side by side: overlap above 1x here need "
+                      "not mean faster (see speedup). Run on a GPU for device figures.[/dim]")
     return 0 if all(r.correct == r.checked for r in results) else 1
 
 

@@ -29,7 +29,7 @@ from streamlane.runtime.reference import run_reference
 from .scheduler import Scheduler
 from .timeline import Timeline
 
-__all__ = ["CONFIGS", "SIZES", "DemoResult", "demo_programs", "run_demo"]
+__all__ = ["CONFIGS", "SIZES", "DemoResult", "demo_programs", "output_files", "run_demo"]
 
 CONFIGS = ("one lane", "two lanes", "caller streams")
 # (batch, width) of the encoder and decoder. "small" is the shipped example files: quick on the
@@ -61,6 +61,12 @@ class _Programs:
     decoder: Program
     enc: Method
     dec: Method
+
+
+def output_files(out: Path, config: str) -> tuple[Path, Path]:
+    """The (PNG timeline, Chrome trace) a configuration writes under ``out``."""
+    slug = config.replace(" ", "-")
+    return out / f"timeline-{slug}.png", out / f"trace-{slug}.json"
 
 
 def demo_programs(size: str) -> tuple[Program, Program]:
@@ -138,10 +144,9 @@ async def _run(config: str, device: Device, p: _Programs, xs: list[np.ndarray],
         for got, want in ((y.to_host(), y_ref), (z.to_host(), z_ref)):
             worst = max(worst, float(np.max(np.abs(got - want))))
             correct += bool(np.allclose(got, want, rtol=RTOL, atol=ATOL))
-    slug = config.replace(" ", "-")
+    png, trace = output_files(out, config)
     result = DemoResult(config, wall, timeline.overlap(), correct, 2 * len(xs), worst, timeline)
-    result.files.append(timeline.plot(out / f"timeline-{slug}.png",
-                                      title=f"{config} on {device.name}: overlap "
-                                            f"{timeline.overlap():.2f}x"))
-    result.files.append(timeline.to_chrome_trace(out / f"trace-{slug}.json"))
+    result.files.append(timeline.plot(png, title=f"{config} on {device.name}: overlap "
+                                                 f"{timeline.overlap():.2f}x"))
+    result.files.append(timeline.to_chrome_trace(trace))
     return result

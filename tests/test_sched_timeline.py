@@ -1,15 +1,11 @@
-"""Measuring what the scheduler did: statistics, timelines and overlap, the exports, and the
-``streamlane demo`` command. Async tests run on asyncio, uvloop and trio."""
+"""Measuring what the scheduler did: statistics, timelines and overlap, and the exports. Async
+tests run on asyncio, uvloop and trio."""
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import anyio
 import pytest
@@ -167,60 +163,3 @@ def test_plot_writes_a_png_at_the_path_it_returns(tmp_path):
     with pytest.raises(InvalidArgument, match="is a directory"):
         timeline.to_chrome_trace(tmp_path / "d")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["UPPER.PNG", "d", "timeline.png"]
-
-
-@pytest.mark.parametrize("where", ["under a file", "an existing unwritable folder"])
-def test_the_demo_refuses_an_unusable_out_before_running(tmp_path, where):
-    if where == "under a file":
-        blocker = tmp_path / "a-file"
-        blocker.write_text("not a directory")
-        out = blocker / "out"
-    else:  # /proc exists and takes no new files, even from root
-        if not os.path.isdir("/proc"):
-            pytest.skip("no /proc on this system")
-        out = Path("/proc")
-    proc = subprocess.run(
-        [sys.executable, "-m", "streamlane.sched", "demo", "--device", "host", "--requests", "1",
-         "--out", str(out)], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "cannot write the timelines to --out" in proc.stdout and "Traceback" not in \
-        proc.stdout + proc.stderr
-
-
-def test_the_demo_command_runs_and_checks_every_result(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "streamlane.sched", "demo", "--device", "host", "--requests", "3",
-         "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "6/6" in proc.stdout and "two lanes" in proc.stdout
-    for slug in ("one-lane", "two-lanes", "caller-streams"):
-        assert (tmp_path / f"timeline-{slug}.png").stat().st_size > 0
-        json.loads((tmp_path / f"trace-{slug}.json").read_text())
-
-
-@pytest.mark.parametrize("count", ["0", "1025", "1000000000"])
-def test_the_demo_refuses_a_bad_request_count(count):
-    proc = subprocess.run([sys.executable, "-m", "streamlane.sched", "demo", "--requests", count],
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "--requests must be in 1..1024" in proc.stderr, proc.stderr
-
-
-def test_demo_sizes_build_the_same_programs_wider():
-    from streamlane.sched.demo import SIZES, demo_programs
-
-    for size, (batch, width) in SIZES.items():
-        encoder, decoder = demo_programs(size)
-        assert encoder.methods["forward"].inputs[0].shape == (batch, width)
-        assert decoder.methods["forward"].outputs[0].shape == (batch, width)
-        assert [s.target for s in encoder.methods["forward"].steps] == \
-            [s.target for s in demo_programs("small")[0].methods["forward"].steps]
-    with pytest.raises(ValueError, match="small, large"):
-        demo_programs("huge")
-
-
-def test_the_demo_runs_the_large_size_on_request(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "streamlane.sched", "demo", "--device", "host", "--size", "large",
-         "--requests", "1", "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "batch 16, width 4096" in " ".join(proc.stdout.split()) and "2/2" in proc.stdout

@@ -1,0 +1,144 @@
+"""The ``streamlane`` command line: ``streamlane demo`` runs, checks every result, and refuses
+bad arguments with one line on stderr (no traceback), before any work."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+
+def demo(*args, timeout=120, **kw):
+    return subprocess.run([sys.executable, "-m", "streamlane.sched", "demo", *args],
+                          capture_output=True, text=True, timeout=timeout, **kw)
+
+
+@pytest.mark.parametrize("where", ["under a file", "an existing unwritable folder"])
+def test_the_demo_refuses_an_unusable_out_before_running(tmp_path, where):
+    if where == "under a file":
+        blocker = tmp_path / "a-file"
+        blocker.write_text("not a directory")
+        out = blocker / "out"
+    else:  # /proc exists and takes no new files, even from root
+        if not os.path.isdir("/proc"):
+            pytest.skip("no /proc on this system")
+        out = Path("/proc")
+    proc = subprocess.run(
+        [sys.executable, "-m", "streamlane.sched", "demo", "--device", "host", "--requests", "1",
+         "--out", str(out)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "cannot write the timelines to --out" in proc.stderr and "Traceback" not in \
+        proc.stdout + proc.stderr
+
+
+def test_the_demo_command_runs_and_checks_every_result(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "streamlane.sched", "demo", "--device", "host", "--requests", "3",
+         "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "6/6" in proc.stdout and "two lanes" in proc.stdout
+    for slug in ("one-lane", "two-lanes", "caller-streams"):
+        assert (tmp_path / f"timeline-{slug}.png").stat().st_size > 0
+        json.loads((tmp_path / f"trace-{slug}.json").read_text())
+
+
+@pytest.mark.parametrize("count", ["0", "1025", "1000000000"])
+def test_the_demo_refuses_a_bad_request_count(count):
+    proc = subprocess.run([sys.executable, "-m", "streamlane.sched", "demo", "--requests", count],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--requests must be in 1..1024" in proc.stderr, proc.stderr
+
+
+def test_demo_sizes_build_the_same_programs_wider():
+    from streamlane.sched.demo import SIZES, demo_programs
+
+    for size, (batch, width) in SIZES.items():
+        encoder, decoder = demo_programs(size)
+        assert encoder.methods["forward"].inputs[0].shape == (batch, width)
+        assert decoder.methods["forward"].outputs[0].shape == (batch, width)
+        assert [s.target for s in encoder.methods["forward"].steps] == \
+            [s.target for s in demo_programs("small")[0].methods["forward"].steps]
+    with pytest.raises(ValueError, match="small, large"):
+        demo_programs("huge")
+
+
+def test_the_demo_runs_the_large_size_on_request(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "streamlane.sched", "demo", "--device", "host", "--size", "large",
+         "--requests", "1", "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "batch 16, width 4096" in " ".join(proc.stdout.split()) and "2/2" in proc.stdout
+
+
+def test_an_out_that_is_a_file_or_holds_a_folder_of_an_output_name_is_refused(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    proc = demo("--device", "host", "--requests", "1", "--out", str(afile))
+    assert proc.returncode == 2 and "is a file; name a folder" in proc.stderr, proc.stderr
+    (tmp_path / "coll" / "trace-two-lanes.json").mkdir(parents=True)
+    proc = demo("--device", "host", "--requests", "1", "--out", str(tmp_path / "coll"))
+    assert proc.returncode == 2 and "trace-two-lanes.json is a folder there" in proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert not list((tmp_path / "coll").glob("*.png")), "it ran before refusing"
+
+
+def test_user_text_is_printed_as_it_is_not_as_markup(tmp_path):
+    """rich markup in a path or a device name is text: the paths printed are the paths
+    written, and a stray closing tag does not crash the error message."""
+    out = tmp_path / "out[gpu]"
+    proc = demo("--device", "host", "--requests", "1", "--out", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert str(out / "timeline-one-lane.png") in proc.stdout
+    assert (out / "timeline-one-lane.png").exists()
+    proc = demo("--device", "a[/red]b")
+    assert proc.returncode == 2 and "unknown device 'a[/red]b'" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_forcing_cuda_without_a_gpu_names_the_command_line_way_out():
+    from streamlane.runtime import cuda
+
+    if cuda.usable():
+        pytest.skip("a GPU is usable here")
+    proc = demo("--device", "cuda")
+    assert proc.returncode == 2 and "--device host" in proc.stderr, proc.stderr
+    assert proc.stdout == ""
+
+
+def test_a_backend_that_is_not_installed_is_a_usage_error(monkeypatch, capsys):
+    import importlib
+
+    from streamlane.sched import cli
+
+    real = importlib.import_module
+
+    def without_trio(name, *args):
+        if name == "trio":
+            raise ImportError("No module named 'trio'")
+        return real(name, *args)
+
+    monkeypatch.setattr(cli.importlib, "import_module", without_trio)
+    assert cli.main(["demo", "--device", "host", "--backend", "trio"]) == 2
+    assert "pip install 'streamlane[trio]'" in capsys.readouterr().err
+
+
+def test_ctrl_c_ends_the_demo_with_one_line_and_status_130(tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "streamlane.sched", "demo", "--device", "host", "--requests",
+         "1024", "--out", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True)
+    try:
+        assert proc.stdout.readline().startswith("streamlane demo on")  # running now
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, out + err
+    assert "interrupted" in err and "Traceback" not in out + err, err
