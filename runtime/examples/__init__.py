@@ -58,7 +58,8 @@ def build_decoder(batch: int = 8, width: int = 256, blocks: int = 2, seed: int =
 
 
 def write_examples(folder: Path = _HERE) -> None:
-    """Regenerate the shipped files (``python -m streamlane.runtime.examples``)."""
+    """Write the example programs into ``folder`` (default: the shipped files; ``python -m
+    streamlane.runtime.examples DIR``)."""
     build_encoder().save(folder / "encoder.json")
     build_decoder().save(folder / "decoder.json")
 
