@@ -541,9 +541,10 @@ async def test_finished_jobs_are_freed_without_the_cycle_collector(host):
                 for _ in range(50):
                     job = await sched.submit(m, [x], lane=0)
                     (out,) = await sched.run(m, [job.outputs[0]], lane=1)
-                # The loop may settle job N only after the lane ran job N+1 (or N+2), so a few
-                # buffers can join the pool once; they must not be allocated every time.
-                assert host.stats.allocations - allocations <= 4
+                # The loop may settle job N only after the lane ran job N+1 (or N+2), and later
+                # still on a loaded machine (2 busy cores: up to 19 here), so some buffers join
+                # the pool once; allocating per job would be 100.
+                assert host.stats.allocations - allocations <= 30
                 assert gc.collect() == 0, "something is freed only by the cycle collector"
             finally:
                 gc.enable()
