@@ -14,6 +14,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -205,11 +206,26 @@ class Method:
         if not ok:
             raise InvalidInput(self.name, index, f"a {decl.dtype} scalar",
                                f"{type(value).__name__} {value!r}")
+        # Checked on the value, not left to numpy's casts: those wrap numpy integers around
+        # (np.int64(2**31) as int32 is -2**31) and overflow finite floats to inf.
+        if kind in "iu":
+            info = np.iinfo(want)
+            if not info.min <= int(value) <= info.max:
+                raise InvalidInput(self.name, index, f"a {decl.dtype} scalar in "
+                                   f"{info.min}..{info.max}", value)
+            return np.asarray(int(value), dtype=want)
+        if kind == "b":
+            return np.asarray(bool(value), dtype=want)
         try:
-            return np.asarray(value, dtype=want)
-        except (OverflowError, ValueError) as exc:
-            raise InvalidInput(self.name, index, f"a {decl.dtype} scalar", value,
-                               str(exc)) from None
+            number = float(value)
+        except OverflowError:  # an int beyond any float
+            number = None
+        with np.errstate(over="ignore"):
+            array = np.asarray(number if number is not None else 0.0, dtype=want)
+        if number is None or math.isfinite(number) != bool(np.isfinite(array)):
+            raise InvalidInput(self.name, index, f"a {decl.dtype} scalar within its range "
+                               f"(finite numbers stay finite)", value)
+        return array
 
     def _check_meta(self, index: int, dtype: np.dtype, shape: tuple[int, ...], want: np.dtype,
                     want_shape: tuple[int, ...], expected: str) -> None:

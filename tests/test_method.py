@@ -163,6 +163,41 @@ def test_scalar_inputs_follow_their_declared_kind(device):
     np.testing.assert_array_equal(meth([x, 2.5, 1])[0].to_host(), x * 2.5)
 
 
+def test_scalar_inputs_out_of_their_dtypes_range_are_refused_not_wrapped():
+    """numpy's casts wrap integers around (np.int64(2**31) as int32 is -2**31, np.int16(300) as
+    uint8 is 44) and overflow finite floats to inf: each is refused, whatever its Python or
+    numpy type; values in range, and an explicit inf or nan, pass."""
+    def ident(stream, ins, outs):
+        outs[0][...] = ins[0]
+
+    def scalar_method(dtype):
+        b = Program.build("s")
+        m = b.method("forward", v=(dtype, []))
+        m.call(ident, ["v"], [("y", dtype, [])])
+        m.output("y")
+        return b.finish().method("forward", device=get_host())
+
+    bad = {"int32": [2**31, np.int64(2**31), np.int64(2**40), np.uint64(2**32 + 5), -2**31 - 1],
+           "uint8": [-1, np.int64(-1), np.int16(300), 256],
+           "float32": [1e40, np.float64(-1e39), 2**200],
+           "float16": [70000.0, np.float32(1e5)],
+           "bfloat16": [1e39, 2**1100]}
+    for dtype, values in bad.items():
+        method = scalar_method(dtype)
+        for value in values:
+            with pytest.raises(InvalidInput, match=f"{dtype} scalar") as info:
+                method.set_inputs([value])
+            assert info.value.index == 0, (dtype, value)
+    good = {"int32": [2**31 - 1, np.int64(-2**31), np.uint8(7)], "uint8": [255, np.int64(0)],
+            "float32": [3.4e38, np.float64(1e-50), float("inf"), float("nan")],
+            "float16": [65504.0], "bfloat16": [2**70, -1e38]}
+    for dtype, values in good.items():
+        method = scalar_method(dtype)
+        for value in values:
+            got = method([value])[0].to_host()
+            np.testing.assert_array_equal(got, np.asarray(float(value)).astype(got.dtype))
+
+
 def test_zero_d_arrays_are_scalars_and_keep_their_shape(device):
     """numpy's ascontiguousarray turns a 0-d array into shape (1,): a 0-d input once reached
     the kernels as [1] and faulted the device, and Result.from_host made it [1]."""
