@@ -477,8 +477,14 @@ class _Validator:
                 raise InvalidProgram(where, "a non-empty array within the size limits",
                                      list(v.shape))
             # Uploads copy bytes: a big-endian or Fortran-ordered constant (another machine's
-            # np.save) becomes the native, C-ordered array of the same values first.
-            consts[k] = np.ascontiguousarray(v, dtype=v.dtype.newbyteorder("="))
+            # np.save) becomes the native, C-ordered array of the same values first. A program
+            # is immutable: the caller's arrays are copied (a file's were just read: no copy),
+            # and the program's are read-only.
+            native = v.dtype.newbyteorder("=")
+            array = np.ascontiguousarray(v, dtype=native) if self.read_constants is not None \
+                else np.array(v, dtype=native, order="C", copy=True)
+            array.flags.writeable = False
+            consts[k] = array
         if decls is None:
             return consts
         if not isinstance(decls, list):

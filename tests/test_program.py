@@ -262,6 +262,26 @@ def test_device_index_picks_the_gpu_only_when_the_device_is_left_to_auto(tmp_pat
     assert program.method("forward").name == "cuda:0"
 
 
+def test_a_program_keeps_its_own_read_only_constants(tmp_path):
+    """A program is immutable: changing the array it was built from changes nothing, and its
+    own constants cannot be written."""
+    from streamlane.runtime import get_device
+
+    w = np.eye(2, dtype=np.float32)
+    b = Program.build("p", {"w": w})
+    m = b.method("forward", x=("float32", [1, 2]))
+    m.output(m.step("matmul", "x", "w", out="y"))
+    program = b.finish()
+    w[:] = 7
+    x = np.array([[1, 2]], np.float32)
+    np.testing.assert_array_equal(program.method("forward", device=get_device("host"))([x])[0]
+                                  .to_host(), x)
+    with pytest.raises(ValueError, match="read-only"):
+        program.constants["w"][0, 0] = np.nan
+    loaded = Program.load(write(tmp_path, manifest()))
+    assert not loaded.constants["w1"].flags.writeable
+
+
 def test_names_holding_dots_are_quoted_in_error_paths(tmp_path):
     """Names may hold '.', so a path never joins such a name with dots: "methods['a.b']" is
     one method, "methods.a.b" would read as two levels."""
