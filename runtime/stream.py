@@ -176,7 +176,7 @@ class CallerStream:
     thread-local: a guard on one thread is invisible to every other thread.
     """
 
-    __slots__ = ("_depth", "stream")
+    __slots__ = ("stream",)
 
     def __init__(self, stream: Any):
         if stream is not None and not isinstance(stream, Stream) and not hasattr(
@@ -185,27 +185,31 @@ class CallerStream:
                 f"CallerStream expects a streamlane Stream, an object with __cuda_stream__, or "
                 f"None (legacy default stream); got {type(stream).__name__}")
         self.stream = _LEGACY if stream is None else stream
-        self._depth = -1
 
+    # The thread's stack holds the guards themselves (not a depth kept on the guard), so one
+    # guard object may be entered again, nested or on several threads at once.
     def __enter__(self) -> CallerStream:
-        stack = _stack()
-        stack.append(self.stream)
-        self._depth = len(stack)
+        _stack().append(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
         stack = _stack()
-        if len(stack) != self._depth:
-            raise InvalidState("CallerStream guards must be exited in reverse order of entry on "
-                               "the thread that entered them")
-        stack.pop()
+        if stack and stack[-1] is self:
+            stack.pop()
+            return
+        for i in range(len(stack) - 1, -1, -1):  # out of order: still leave, then say so
+            if stack[i] is self:
+                del stack[i]
+                break
+        raise InvalidState("CallerStream guards must be exited in reverse order of entry on "
+                           "the thread that entered them")
 
 
 def selected_stream() -> Any:
     """The innermost caller stream selected on this thread: a Stream, a foreign object, the legacy
     marker, or None when no guard is active."""
     stack = getattr(_selection, "stack", None)
-    return stack[-1] if stack else None
+    return stack[-1].stream if stack else None
 
 
 def current_stream(device: Device) -> Stream:
@@ -213,7 +217,7 @@ def current_stream(device: Device) -> Stream:
     stack = getattr(_selection, "stack", None)
     if not stack:
         return device.per_thread_stream()
-    sel = stack[-1]
+    sel = stack[-1].stream
     if sel is _LEGACY:
         return device.legacy_stream()
     if isinstance(sel, Stream):

@@ -146,6 +146,50 @@ def test_caller_stream_nesting_restores_outer_selection(device):
         assert current_stream(device).kind == "per-thread"
 
 
+def test_one_caller_stream_guard_may_be_entered_again_nested_and_on_other_threads(device):
+    """A guard kept in a module (LEGACY = CallerStream(None)) is entered by an outer and an
+    inner call, and by several threads at once: each entry is its own. Exits out of order
+    still leave, then raise."""
+    import threading
+
+    legacy = CallerStream(None)
+    with device.create_stream() as s:
+        shared = CallerStream(s)
+        with legacy:
+            with CallerStream(s):
+                with legacy:
+                    assert current_stream(device) is device.legacy_stream()
+                assert current_stream(device) is s
+            assert current_stream(device) is device.legacy_stream()
+        assert current_stream(device).kind == "per-thread"
+        inside, leave = threading.Barrier(2), threading.Event()
+
+        def other():
+            with shared:
+                inside.wait(10)
+                leave.wait(10)
+                return current_stream(device) is s
+
+        t = threading.Thread(target=lambda: box.append(other()))
+        box: list[bool] = []
+        t.start()
+        with shared:
+            inside.wait(10)
+            with shared:
+                assert current_stream(device) is s
+        leave.set()
+        t.join(10)
+        assert box == [True] and current_stream(device).kind == "per-thread"
+        outer, inner = CallerStream(s), CallerStream(None)
+        outer.__enter__()
+        inner.__enter__()
+        with pytest.raises(InvalidState, match="reverse order"):
+            outer.__exit__(None, None, None)
+        assert current_stream(device) is device.legacy_stream()  # the inner guard still holds
+        inner.__exit__(None, None, None)
+        assert current_stream(device).kind == "per-thread"
+
+
 def test_caller_stream_rejects_non_streams():
     with pytest.raises(InvalidArgument, match="CallerStream expects"):
         CallerStream(42)
