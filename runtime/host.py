@@ -50,6 +50,8 @@ class _Worker:
         self.stopped = False
         self.thread = threading.Thread(target=self._run, name=f"streamlane-host-{name}",
                                        daemon=True)
+        with device._every_lock:  # until its thread ends (the thread holds it)
+            device._every_worker.add(self)
         self.thread.start()
 
     def put(self, item: Callable[[], None]) -> None:
@@ -108,6 +110,10 @@ class HostDevice(Device):
     def __init__(self) -> None:
         super().__init__(0)
         self._local = threading.local()
+        # Every stream's worker, other threads' per-thread streams and closed streams still
+        # draining included: synchronize() waits for them all, as cuCtxSynchronize does.
+        self._every_worker: weakref.WeakSet[_Worker] = weakref.WeakSet()
+        self._every_lock = threading.Lock()
         self._legacy_worker = _Worker(self, "legacy")
         self._legacy = Stream(self, LEGACY, 0x1, self._legacy_worker)
         self._workers: weakref.WeakValueDictionary[int, _Worker] = weakref.WeakValueDictionary()
@@ -194,19 +200,22 @@ class HostDevice(Device):
         return (b.time_ns - a.time_ns) / 1e6
 
     def _device_synchronize(self) -> None:
-        workers = [self._legacy_worker, *self._workers.values()]
-        holder = getattr(self._local, "holder", None)
-        if holder is not None:
-            workers.append(holder.stream._impl)
-        markers = []
+        with self._every_lock:
+            workers = list(self._every_worker)
+        markers, ending = [], []
         for w in workers:
-            if w.stopped:  # a closed stream: its remaining work is drained on its own
+            if w.stopped:  # a closed stream, an ended thread's: it ends once drained
+                ending.append(w.thread)
                 continue
             m = _Marker()
             w.put(m.reach)
             markers.append(m)
         for m in markers:
             self._wait_marker(m)
+        for thread in ending:
+            while thread is not threading.current_thread() and thread.is_alive():
+                thread.join(0.05)
+                self._raise_if_faulted()
 
     def _wait_marker(self, marker: _Marker) -> None:
         while not marker.done.wait(0.05):

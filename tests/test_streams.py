@@ -367,6 +367,35 @@ def test_host_device_fault_is_sticky_and_raises_instead_of_hanging(host):
     s.close()
 
 
+def test_host_synchronize_waits_for_every_stream_of_every_thread(host):
+    """As cuCtxSynchronize: a live thread's per-thread stream, an ended thread's (still
+    draining) and a closed stream's queued work are all waited for."""
+    import threading
+
+    events, leave = [], threading.Event()
+
+    def queue_work(hold: bool):
+        stream = host.per_thread_stream()
+        host.inject_delay(stream, 0.3)
+        events.append(stream.record())
+        if hold:
+            leave.wait(10)
+
+    live = threading.Thread(target=queue_work, args=(True,))
+    live.start()
+    in_thread(lambda: queue_work(False))
+    closed = host.create_stream()
+    host.inject_delay(closed, 0.3)
+    events.append(closed.record())
+    closed.close()
+    while len(events) < 3:
+        time.sleep(0.01)
+    host.synchronize()
+    assert all(e.query() for e in events)
+    leave.set()
+    live.join(10)
+
+
 def test_injected_delay_stalls_only_that_stream(host):
     slow, fast = host.create_stream(), host.create_stream()
     host.inject_delay(slow, 0.2)
