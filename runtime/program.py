@@ -126,10 +126,10 @@ class Program:
                              object_pairs_hook=_unique_keys)
         except (ValueError, RecursionError) as exc:
             raise InvalidProgram("", "well-formed JSON", _located(str(exc), raw)) from None
-        # The .npz is read once the manifest's own fields (format, name, the file name) are
-        # known to be good: a bad manifest is reported as such, whatever lies beside it.
-        return _Validator(doc, {}, {}, read_constants=lambda name: _read_npz(path.parent, name)
-                          ).program()
+        # The .npz's data is read only once the whole manifest has been validated against
+        # the members' headers: a bad manifest is reported as such, whatever lies beside it,
+        # and costs no memory for its constants.
+        return _Validator(doc, {}, {}, folder=path.parent).program()
 
     @classmethod
     def from_manifest(cls, doc: Any, constants: Mapping[str, np.ndarray] | None = None,
@@ -369,10 +369,11 @@ def _npz_safe(v: np.ndarray) -> np.ndarray:
     return v.view(np.uint16) if dtype_name(v.dtype) == "bfloat16" else v
 
 
-def _read_npz(folder: Path, name: str) -> dict[str, np.ndarray]:
+def _read_npz(folder: Path, name: str, headers_only: bool = False) -> dict[str, np.ndarray]:
     """The arrays of the constants file: every member a plain ``.npy`` whose header agrees with
     its size, checked before anything is allocated (a 16-byte member may claim 10**12
-    elements). Whatever the archive does wrong is an ``InvalidProgram``."""
+    elements). Whatever the archive does wrong is an ``InvalidProgram``. ``headers_only``:
+    read-only stand-ins of each member's dtype and shape (one element of memory each)."""
     if not _NAME.fullmatch(name) or "/" in name or "\\" in name or name.startswith("."):
         raise InvalidProgram("constants", "a plain file name beside the manifest", name)
     path = folder / name
@@ -392,7 +393,7 @@ def _read_npz(folder: Path, name: str) -> dict[str, np.ndarray]:
                     raise InvalidProgram("constants", f"an .npz of distinct .npy members ({name})",
                                          info.filename)
                 with zf.open(info) as member:
-                    arrays[key] = _read_npy(member, info.file_size, key, name)
+                    arrays[key] = _read_npy(member, info.file_size, key, name, headers_only)
         return arrays
     except InvalidProgram:
         raise
@@ -403,7 +404,7 @@ def _read_npz(folder: Path, name: str) -> dict[str, np.ndarray]:
                              f"{type(exc).__name__}: {exc}") from None
 
 
-def _read_npy(member: Any, size: int, key: str, name: str) -> np.ndarray:
+def _read_npy(member: Any, size: int, key: str, name: str, headers_only: bool) -> np.ndarray:
     where = f"constants[{_key(key)!r}]"
     version = npy_format.read_magic(member)
     if version == (1, 0):
@@ -418,17 +419,20 @@ def _read_npy(member: Any, size: int, key: str, name: str) -> np.ndarray:
     if math.prod(shape) * dtype.itemsize != data:
         raise InvalidProgram(where, f"as many data bytes as its header's {dtype}{list(shape)} "
                              f"in {name}", data)
+    if headers_only:
+        return np.broadcast_to(np.zeros((), dtype), shape)
     member.seek(0)
     return npy_format.read_array(member, allow_pickle=False)
 
 
 class _Validator:
     def __init__(self, doc: Any, constants: dict[str, np.ndarray], callables: dict[str, StepFn],
-                 read_constants: Callable[[str], dict[str, np.ndarray]] | None = None):
+                 folder: Path | None = None):
         self.doc = doc
         self.constants = constants
         self.callables = callables
-        self.read_constants = read_constants  # reads the named constants file (Program.load)
+        self.folder = folder  # where the constants file lies (Program.load)
+        self.stand_ins = False  # self.constants hold the file's headers, not its data
 
     def program(self) -> Program:
         doc = self._obj(self.doc, "", required=("format", "name", "methods"),
@@ -445,8 +449,9 @@ class _Validator:
         if constants_file is not None and not isinstance(constants_file, str):
             raise InvalidProgram("constants", "the file name of the constants .npz",
                                  constants_file)
-        if constants_file is not None and self.read_constants is not None:
-            self.constants = self.read_constants(constants_file)
+        if constants_file is not None and self.folder is not None:
+            self.constants = _read_npz(self.folder, constants_file, headers_only=True)
+            self.stand_ins = True
         consts = self._constants(doc.get("constant_tensors"))
         methods = doc["methods"]
         if not isinstance(methods, dict) or not methods:
@@ -458,6 +463,10 @@ class _Validator:
         used = {n for m in defs.values() for s in m.steps if s.kind == "callable"
                 for n in [s.target]}
         callables = {k: v for k, v in self.callables.items() if k in used}
+        if self.stand_ins:  # all valid: now the data, which the headers already described
+            self.constants = _read_npz(self.folder, constants_file)
+            self.stand_ins = False
+            consts = self._constants(doc.get("constant_tensors"))
         return Program(name, defs, consts, callables, device_index, constants_file)
 
     # -- pieces -------------------------------------------------------------------------------
@@ -480,8 +489,11 @@ class _Validator:
             # np.save) becomes the native, C-ordered array of the same values first. A program
             # is immutable: the caller's arrays are copied (a file's were just read: no copy),
             # and the program's are read-only.
+            if self.stand_ins:
+                consts[k] = v
+                continue
             native = v.dtype.newbyteorder("=")
-            array = np.ascontiguousarray(v, dtype=native) if self.read_constants is not None \
+            array = np.ascontiguousarray(v, dtype=native) if self.folder is not None \
                 else np.array(v, dtype=native, order="C", copy=True)
             array.flags.writeable = False
             consts[k] = array

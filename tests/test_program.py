@@ -228,6 +228,26 @@ def test_a_bad_manifest_is_reported_before_its_constants_are_read(tmp_path):
     assert info.value.path == "constants"
 
 
+def test_a_bad_method_is_reported_before_the_constants_data_is_read(tmp_path):
+    """The manifest is validated against the .npz members' headers; their data is read only
+    once all of it is valid, so a typo next to 64 MB of constants allocates none of them."""
+    import tracemalloc
+
+    big = np.zeros((4096, 4096), np.float32)
+    doc = mutate(manifest(), ("methods", "forward", "steps", 0, "kernel"), "matmull")
+    path = write(tmp_path, doc, {"w1": big})
+    del big
+    tracemalloc.start()
+    try:
+        with pytest.raises(InvalidProgram) as info:
+            Program.load(path)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert info.value.path == "methods.forward.steps[0].kernel"
+    assert peak < 8 << 20, f"{peak / 2**20:.0f} MiB allocated before the error"
+
+
 def test_device_index_picks_the_gpu_only_when_the_device_is_left_to_auto(tmp_path, monkeypatch):
     """A program's ``device_index`` chooses the GPU when ``method()`` is given no device (or
     "auto") and nothing forces one; a named device or ``STREAMLANE_DEVICE`` wins; the host
