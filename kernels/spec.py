@@ -27,6 +27,7 @@ def member_path(where: str, key: str) -> str:
     """The JSON path of ``key`` under ``where``: ``where.key`` for a plain key, else
     ``where['key']``, so that a name holding a dot ("a.b") is never read as two levels.
     Keys come from untrusted files: one longer than 128 characters is cut."""
+    key = key if isinstance(key, str) else repr(key)  # a dict built in Python: any key
     plain = _PLAIN_KEY.fullmatch(key)
     key = key if len(key) <= 128 else key[:125] + "..."
     if plain:

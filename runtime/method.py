@@ -23,13 +23,13 @@ import numpy as np
 
 from .dtypes import DTYPES
 from .errors import InvalidArgument, InvalidInput, InvalidState, NotSupported
+from .event import Event
 from .memory import Buffer, DeviceArray
 from .result import OutputPool, PooledBuffer, Result, _Holder
 from .stream import current_stream
 
 if TYPE_CHECKING:
     from .device import Device
-    from .event import Event
     from .program import MethodDef, Program
     from .stream import Stream
 
@@ -286,6 +286,9 @@ class Method:
         rule-4 handoff, inputs produced on other streams, output buffers still being read) are
         enqueued, just before its first step: where its own work starts (the scheduler's
         timing events)."""
+        if start is not None and not isinstance(start, Event):
+            raise InvalidArgument(f"{self.name}: execute(start=) takes an Event of "
+                                  f"{self.device.name} or None, got {type(start).__name__}")
         if not self._guard.acquire(blocking=False):
             raise _busy(self, "execute")
         try:

@@ -179,7 +179,7 @@ class Program:
         from .device import Device, get_device
         from .method import Method
 
-        if name not in self.methods:
+        if not isinstance(name, str) or name not in self.methods:
             raise InvalidArgument(f"program {self.name!r} has no method {name!r}; methods: "
                                   f"{', '.join(self.methods)}")
         if not isinstance(device, Device):
@@ -224,6 +224,9 @@ class ProgramBuilder:
     """
 
     def __init__(self, name: str, constants: Mapping[str, Any] | None = None):
+        if constants is not None and not isinstance(constants, Mapping):
+            raise InvalidArgument(f"Program.build({name!r}): constants must be a mapping of "
+                                  f"name to array, got {type(constants).__name__}")
         self.name = name
         self._constants = {k: np.asarray(v) for k, v in (constants or {}).items()}
         self._methods: dict[str, MethodBuilder] = {}
@@ -306,6 +309,13 @@ class MethodBuilder:
         base, n = name, 1
         while name in self._parent._callables and self._parent._callables[name] is not fn:
             name, n = f"{base}_{n}", n + 1
+        where = f"{member_path('methods', self.name)}.steps[{len(self._steps)}].out"
+        if not isinstance(outs, (list, tuple)):
+            raise InvalidProgram(where, "a list of (name, dtype, shape) outputs", outs)
+        for j, out in enumerate(outs):
+            if not isinstance(out, (list, tuple)) or len(out) != 3 or not isinstance(
+                    out[2], (list, tuple)):
+                raise InvalidProgram(f"{where}[{j}]", "(name, dtype, shape)", out)
         self._parent._callables[name] = fn
         for oname, dtype, shape in outs:
             self._declare(oname, dtype, tuple(shape))

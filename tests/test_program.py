@@ -475,3 +475,30 @@ def test_fuzzed_manifests_raise_only_invalid_program(mutations):
         Program.from_manifest(doc, {"w1": W})
     except InvalidProgram:
         pass
+
+
+def test_wrong_types_in_the_python_api_raise_streamlane_errors():
+    """Each of these escaped as TypeError / AttributeError / ValueError."""
+    from streamlane.runtime import get_device
+
+    with pytest.raises(InvalidArgument, match="constants must be a mapping"):
+        Program.build("p", constants=[("w", np.ones(2))])
+    m = Program.build("q").method("f", x=("float32", [3]))
+    with pytest.raises(InvalidProgram, match=r"\(name, dtype, shape\)") as info:
+        m.call(lambda s, i, o: None, ["x"], [("y", "float32")])
+    assert info.value.path == "methods.f.steps[0].out[0]"
+    with pytest.raises(InvalidProgram) as info:
+        Program.from_manifest({"format": 1, "name": "p", "methods": {1: {}}})
+    assert info.value.path == "methods['1']"
+    program = Program.build("id")
+    mb = program.method("f", x=("float32", [3]))
+    mb.output(mb.step("relu", "x", out="y"))
+    program = program.finish()
+    with pytest.raises(InvalidArgument, match="has no method"):
+        program.method(["f"], device=get_device("host"))
+    method = program.method("f", device=get_device("host"))
+    method.set_inputs([np.ones(3, np.float32)])
+    with pytest.raises(InvalidArgument, match="start="):
+        method.execute(start=123)
+    method.execute()
+    np.testing.assert_array_equal(method.get_outputs()[0].to_host(), np.ones(3))
