@@ -452,8 +452,10 @@ def get_device(name: str | None = None) -> Device:
     """The device named ``"auto" | "host" | "cuda" | "cuda:N"`` (default: env
     ``STREAMLANE_DEVICE``, else ``"auto"``). ``auto`` picks cuda when a GPU is usable, else host.
     Forcing cuda without a usable GPU raises ``DeviceError`` saying why; never a fallback."""
+    source = ""
     if name is None or name == "auto":
         name = os.environ.get("STREAMLANE_DEVICE") or "auto"
+        source = " (from $STREAMLANE_DEVICE)" if name != "auto" else ""
     if not isinstance(name, str):
         raise InvalidArgument(f"device name must be a str, got {type(name).__name__}")
     key = name.strip().lower()
@@ -467,7 +469,8 @@ def get_device(name: str | None = None) -> Device:
         key = "host:0"
     kind, _, idx = key.partition(":")
     if kind not in ("host", "cuda") or not idx.isdigit():
-        raise InvalidArgument(f"unknown device {name!r}; valid names: {', '.join(BACKENDS)}")
+        raise InvalidArgument(f"unknown device {name!r}{source}; valid names: "
+                              f"{', '.join(BACKENDS)}")
     with _devices_lock:
         dev = _devices.get(key)
         if dev is None:

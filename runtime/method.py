@@ -160,7 +160,8 @@ class Method:
                     "and overwrite the same memory; copy it first "
                     "(Result.from_host(r.to_host(), device)) or make the method with "
                     "clone_outputs=True")
-            self._check_meta(index, value.dtype, value.shape, want, decl.shape, expected)
+            self._check_meta(index, value.dtype, value.shape, want, decl.shape, expected,
+                             result=True)
             return value
         if isinstance(value, (bool, int, float, np.number, np.bool_)) and not isinstance(
                 value, np.ndarray):
@@ -228,10 +229,12 @@ class Method:
         return array
 
     def _check_meta(self, index: int, dtype: np.dtype, shape: tuple[int, ...], want: np.dtype,
-                    want_shape: tuple[int, ...], expected: str) -> None:
+                    want_shape: tuple[int, ...], expected: str, result: bool = False) -> None:
         if dtype != want:
-            raise InvalidInput(self.name, index, expected, f"dtype {dtype}",
-                               f"convert it with .astype({want.name!r}) first")
+            how = (f"a Result has no astype: produce it as {want.name}, or copy it with "
+                   f"Result.from_host(r.to_host().astype({want.name!r}), device)") if result \
+                else f"convert it with .astype({want.name!r}) first"
+            raise InvalidInput(self.name, index, expected, f"dtype {dtype}", how)
         if tuple(shape) != tuple(want_shape):
             raise InvalidInput(self.name, index, expected, f"shape {list(shape)}")
 

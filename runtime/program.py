@@ -277,14 +277,21 @@ class MethodBuilder:
         where = f"{member_path('methods', self.name)}.steps[{len(self._steps)}]"
         try:
             spec = get_kernel(kernel)
-        except UnknownKernel as exc:
-            raise InvalidProgram(f"{where}.kernel", f"one of {', '.join(exc.valid)}",
-                                 kernel) from None
+        except UnknownKernel:
+            spec = None
+        if spec is None or not spec.in_programs:  # as the file validator says it
+            from streamlane.kernels import kernel_names
+
+            raise InvalidProgram(f"{where}.kernel", "a kernel of the library (" +
+                                 ", ".join(kernel_names(in_programs_only=True)) + ")", kernel)
+        for j, name in enumerate(ins):
+            if name not in self._shapes:
+                raise InvalidProgram(f"{where}.in[{j}]", "the name of an input, constant or "
+                                     "earlier step's output of this method", name)
         try:
             shapes = spec.infer([self._shapes[i][1] for i in ins], spec.resolve_params(params))
-        except (KernelSpecError, KeyError) as exc:
-            raise InvalidProgram(where, "inputs that exist and fit the kernel",
-                                 str(exc)) from None
+        except KernelSpecError as exc:
+            raise InvalidProgram(f"{where}.{exc.where}", exc.expected, exc.got) from None
         outs = []
         for k, shape in enumerate(shapes):
             name = out if (out is not None and k == 0) else f"t{len(self._steps)}_{k}"
@@ -486,7 +493,8 @@ class _Validator:
             where = f"constants[{_key(k)!r}]"
             self._name(k, where)
             if not isinstance(v, np.ndarray) or v.dtype.hasobject:
-                raise InvalidProgram(where, "a numeric array", type(v).__name__)
+                raise InvalidProgram(where, "a numeric array", f"dtype {v.dtype}" if isinstance(
+                    v, np.ndarray) else type(v).__name__)
             try:
                 dtype_name(v.dtype)
             except Exception:

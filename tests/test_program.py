@@ -502,3 +502,36 @@ def test_wrong_types_in_the_python_api_raise_streamlane_errors():
         method.execute(start=123)
     method.execute()
     np.testing.assert_array_equal(method.get_outputs()[0].to_host(), np.ones(3))
+
+
+def test_builder_errors_are_as_precise_as_the_file_validators():
+    """The builder names the field (params.alpha, in[1]), lists only kernels programs may use,
+    and refuses those (latch) as a file would."""
+    from streamlane.runtime import get_device
+
+    def step_error(kernel, *ins, **params):
+        m = Program.build("p").method("f", x=("float32", [3]))
+        with pytest.raises(InvalidProgram) as info:
+            m.step(kernel, *ins, **params)
+        return info.value
+
+    error = step_error("axpy", "x", "x", alpha="2")
+    assert error.path == "methods.f.steps[0].params.alpha"
+    error = step_error("add", "x", "ghost")
+    assert error.path == "methods.f.steps[0].in[1]" and error.got == "ghost"
+    for kernel in ("matmull", "latch", "strided_copy"):
+        error = step_error(kernel, "x")
+        assert error.path == "methods.f.steps[0].kernel"
+        assert "latch" not in error.expected and "strided_copy" not in error.expected
+    with pytest.raises(InvalidProgram, match="dtype object"):
+        Program.build("p", {"w": np.array([None])}).finish()
+    b = Program.build("r")
+    m = b.method("f", x=("float32", [3]))
+    m.output(m.step("relu", "x", out="y"))
+    method = b.finish().method("f", device=get_device("host"))
+    from streamlane.runtime import Result
+    from streamlane.runtime.errors import InvalidInput
+
+    wrong = Result.from_host(np.ones(3, np.float64), get_device("host"))
+    with pytest.raises(InvalidInput, match="a Result has no astype"):
+        method([wrong])

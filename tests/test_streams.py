@@ -340,6 +340,9 @@ def test_device_selection(monkeypatch):
     monkeypatch.setenv("STREAMLANE_DEVICE", "host")
     assert get_device().kind == "host"
     assert get_device("auto").kind == "host"
+    monkeypatch.setenv("STREAMLANE_DEVICE", "gpu")
+    with pytest.raises(InvalidArgument, match=r"'gpu' \(from \$STREAMLANE_DEVICE\)"):
+        get_device()
 
 
 def test_forcing_cuda_without_gpu_is_a_clear_error(monkeypatch):
