@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from numpy.lib import format as npy_format
 
-from streamlane.kernels import KernelSpecError, UnknownKernel, get_kernel
+from streamlane.kernels import KernelSpec, KernelSpecError, UnknownKernel, get_kernel
 from streamlane.kernels.spec import member_path
 
 from .dtypes import DTYPES, dtype_name
@@ -275,15 +275,7 @@ class MethodBuilder:
         """Append a kernel step; its single output buffer is declared with the shape the kernel
         infers. Returns the output's name (``out`` or a fresh one)."""
         where = f"{member_path('methods', self.name)}.steps[{len(self._steps)}]"
-        try:
-            spec = get_kernel(kernel)
-        except UnknownKernel:
-            spec = None
-        if spec is None or not spec.in_programs:  # as the file validator says it
-            from streamlane.kernels import kernel_names
-
-            raise InvalidProgram(f"{where}.kernel", "a kernel of the library (" +
-                                 ", ".join(kernel_names(in_programs_only=True)) + ")", kernel)
+        spec = _program_kernel(kernel, where)  # as the file validator says it
         for j, name in enumerate(ins):
             if name not in self._shapes:
                 raise InvalidProgram(f"{where}.in[{j}]", "the name of an input, constant or "
@@ -621,15 +613,7 @@ class _Validator:
 
     def _kernel_step(self, where: str, target: Any, ins: list[str], outs: list[str],
                      params: dict, tensors: dict) -> None:
-        try:
-            spec = get_kernel(target) if isinstance(target, str) else None
-        except UnknownKernel:
-            spec = None
-        if spec is None or not spec.in_programs:
-            from streamlane.kernels import kernel_names
-
-            raise InvalidProgram(f"{where}.kernel", "a kernel of the library (" +
-                                 ", ".join(kernel_names(in_programs_only=True)) + ")", target)
+        spec = _program_kernel(target, where)
         if len(ins) != spec.n_in:
             raise InvalidProgram(f"{where}.in", f"{spec.n_in} inputs for {spec.name}", len(ins))
         if len(outs) != spec.n_out:
@@ -689,6 +673,21 @@ class _Validator:
             raise InvalidProgram(where, "a name of letters, digits, '_', '.', '-' (at most 128, "
                                  "not starting with a digit)", value)
         return value
+
+
+def _program_kernel(name: Any, where: str) -> KernelSpec:
+    """The kernel a program step names, if programs may use it (not ``latch``, which needs a
+    host-side object); else ``InvalidProgram`` at ``where.kernel`` listing those they may."""
+    try:
+        spec = get_kernel(name) if isinstance(name, str) else None
+    except UnknownKernel:
+        spec = None
+    if spec is None or not spec.in_programs:
+        from streamlane.kernels import kernel_names
+
+        raise InvalidProgram(f"{where}.kernel", "a kernel of the library (" +
+                             ", ".join(kernel_names(in_programs_only=True)) + ")", name)
+    return spec
 
 
 def _is_int(v: Any) -> bool:
