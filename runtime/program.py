@@ -277,7 +277,7 @@ class MethodBuilder:
         where = f"{member_path('methods', self.name)}.steps[{len(self._steps)}]"
         spec = _program_kernel(kernel, where)  # as the file validator says it
         for j, name in enumerate(ins):
-            if name not in self._shapes:
+            if not isinstance(name, str) or name not in self._shapes:
                 raise InvalidProgram(f"{where}.in[{j}]", "the name of an input, constant or "
                                      "earlier step's output of this method", name)
         try:
