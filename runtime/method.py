@@ -331,14 +331,19 @@ class Method:
                 device.copy_from_host(slot, value, stream)
                 arrays[i] = slot
         pooled = self._take_outputs(stream)
-        if not pooled and len(self._uses) > 1:
-            # clone_outputs=False: the outputs are our own buffers, and a consumer on another
-            # stream may still have to read the last ones (rule 8): wait for every other
-            # stream that used our memory, which then counts as passed.
-            for other, used_by in self._uses.items():
-                if other != key:
-                    stream.wait(used_by)
-            self._uses.clear()
+        uses = self._uses  # of our own memory: input slots, internal buffers, views
+        if len(uses) > 1 or key not in uses:
+            if not pooled:
+                # clone_outputs=False: the outputs are our own buffers, and a consumer on
+                # another stream (or on the stream we last ran on, after us) may still have to
+                # read the last ones (rule 8): wait for every stream that used our memory.
+                for other, used_by in uses.items():
+                    if other != key:
+                        stream.wait(used_by)
+            # Every entry is now ordered before this execute: rule 4's handoff orders our own
+            # executes on other streams, the waits above the readers of our views. One entry
+            # per stream ever used would grow without bound (a thread per call).
+            uses.clear()
         first = self._n_inputs
         for j, out in enumerate(pooled):
             arrays[first + j] = out.array
@@ -361,7 +366,7 @@ class Method:
         device._record(event, stream._usable())  # stream.record without its re-checks
         for buffer in used:
             buffer.uses[key] = event
-        self._uses[key] = event
+        uses[key] = event
         self.last_event = event
         self._last_stream_key = key
         self.executions += 1

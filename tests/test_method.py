@@ -447,6 +447,21 @@ def test_a_thread_reusing_an_ended_threads_id_is_still_handed_off(host):
     check(p, [x2], [box["r2"]])
 
 
+def test_a_method_driven_from_many_threads_and_streams_keeps_bounded_state(host):
+    """Each thread's stream and each created stream is its own queue (a serial in its key):
+    the method must not keep one entry per queue it ever ran on (it has waited for them)."""
+    p = mlp()
+    m = p.method("forward", device=host)
+    x = x_for(p)
+    for _ in range(50):
+        in_thread(lambda: m([x]))
+    for _ in range(50):
+        with host.create_stream() as s, CallerStream(s):
+            m([x])
+    assert len(m._uses) == 1
+    check(p, [x], [m([x])[0]])
+
+
 def test_a_stream_created_after_one_was_closed_is_handed_off(device):
     """A closed stream's work may still be running (CUDA releases it afterwards) while the next
     create_stream() could return the same handle: the method must still hand off to the new

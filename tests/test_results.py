@@ -166,6 +166,37 @@ def test_a_view_read_on_another_stream_is_not_overwritten_before_the_read(device
     np.testing.assert_array_equal(r2.to_host(), 2 * x2)
 
 
+def test_a_view_read_after_it_on_its_own_stream_is_waited_for_by_another_thread(host):
+    """clone_outputs=False, "one method behind a lock": thread A runs the method, then a
+    consumer reads the view on A's stream behind a delay; the main thread's next execute must
+    wait for that read, not only for A's execute (rule 4 gives the latter, rule 8 the former)."""
+    import threading
+
+    m = scaler().method("forward", device=host, clone_outputs=False)
+    consumer = scaler(factor=3.0).method("forward", device=host)
+    x1, x2 = rand(), rand()
+    lock, box = threading.Lock(), {}
+
+    def thread_a():
+        with lock:
+            view = m([x1])[0]
+            host.inject_delay(host.per_thread_stream(), 0.2)
+            box["read"] = consumer([view])[0]
+        box["queued"].set()
+        box["finish"].wait(10)  # keep the thread (and its stream) until the end
+
+    box["queued"], box["finish"] = threading.Event(), threading.Event()
+    a = threading.Thread(target=thread_a)
+    a.start()
+    assert box["queued"].wait(10)
+    with lock:
+        again = m([x2])[0]
+    np.testing.assert_allclose(again.to_host(), 2 * x2, rtol=1e-6)
+    box["finish"].set()
+    a.join(10)
+    np.testing.assert_allclose(box["read"].to_host(), 6 * x1, rtol=1e-6)
+
+
 def test_a_views_method_refuses_its_own_output_as_input(device):
     """With clone_outputs=False an execute writes its outputs in place: fed back as an input,
     an output would be read and overwritten by the same execute (on CUDA a tiled matmul races
