@@ -203,7 +203,10 @@ class HostDevice(Device):
         with self._every_lock:
             workers = list(self._every_worker)
         markers, ending = [], []
+        me = threading.current_thread()
         for w in workers:
+            if w.thread is me:  # called from a step running on this stream: not behind itself
+                continue
             if w.stopped:  # a closed stream, an ended thread's: it ends once drained
                 ending.append(w.thread)
                 continue
@@ -213,7 +216,7 @@ class HostDevice(Device):
         for m in markers:
             self._wait_marker(m)
         for thread in ending:
-            while thread is not threading.current_thread() and thread.is_alive():
+            while thread.is_alive():
                 thread.join(0.05)
                 self._raise_if_faulted()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -397,6 +398,29 @@ def test_host_synchronize_waits_for_every_stream_of_every_thread(host):
     assert all(e.query() for e in events)
     leave.set()
     live.join(10)
+
+
+def test_host_synchronize_from_a_step_running_on_a_stream_does_not_wait_for_itself(host):
+    """A callable step is host code; one that calls device.synchronize() (allowed on CUDA,
+    where it runs at enqueue time) must not wait behind itself on the host device."""
+    from streamlane.runtime import Program
+
+    def step(stream, ins, outs):
+        host.synchronize()
+        outs[0][...] = ins[0] * 2
+
+    b = Program.build("p")
+    m = b.method("f", x=("float32", [4]))
+    m.call(step, ["x"], [("y", "float32", [4])])
+    m.output("y")
+    method = b.finish().method("f", device=host)
+    box = {}
+    t = threading.Thread(target=lambda: box.update(y=method([np.ones(4, np.float32)])[0]
+                                                   .to_host()), daemon=True)  # may deadlock
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "synchronize() in a step waited behind its own stream"
+    np.testing.assert_array_equal(box["y"], 2 * np.ones(4))
 
 
 def test_injected_delay_stalls_only_that_stream(host):
