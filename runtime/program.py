@@ -428,8 +428,8 @@ def _read_npy(member: Any, size: int, key: str, name: str, headers_only: bool) -
     if math.prod(shape) * dtype.itemsize != data:
         raise InvalidProgram(where, f"as many data bytes as its header's {dtype}{list(shape)} "
                              f"in {name}", data)
-    if headers_only:
-        return np.broadcast_to(np.zeros((), dtype), shape)
+    if headers_only:  # in the byte order the data will have once loaded (native)
+        return np.broadcast_to(np.zeros((), dtype.newbyteorder("=")), shape)
     member.seek(0)
     return npy_format.read_array(member, allow_pickle=False)
 
@@ -473,9 +473,17 @@ class _Validator:
                 for n in [s.target]}
         callables = {k: v for k, v in self.callables.items() if k in used}
         if self.stand_ins:  # all valid: now the data, which the headers already described
+            stand_ins = consts
             self.constants = _read_npz(self.folder, constants_file)
             self.stand_ins = False
             consts = self._constants(doc.get("constant_tensors"))
+            changed = [k for k in stand_ins.keys() | consts.keys() if k not in stand_ins
+                       or k not in consts or stand_ins[k].shape != consts[k].shape
+                       or stand_ins[k].dtype != consts[k].dtype]
+            if changed:
+                raise InvalidProgram(f"constants[{_key(sorted(changed)[0])!r}]",
+                                     f"the constants file {constants_file} unchanged while it "
+                                     f"was read", "another dtype, shape or member")
         return Program(name, defs, consts, callables, device_index, constants_file)
 
     # -- pieces -------------------------------------------------------------------------------

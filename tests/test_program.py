@@ -99,6 +99,44 @@ def test_bfloat16_constants_round_trip(tmp_path):
     np.testing.assert_array_equal(q.constants["w"].view(np.uint16), w.view(np.uint16))
 
 
+def test_big_endian_bfloat16_constants_load(tmp_path):
+    """bfloat16 travels as uint16 bits; another machine's np.save writes them big-endian
+    ('>u2'). Both the file loader's header pass and its data pass take them."""
+    import json
+
+    import ml_dtypes
+
+    w = np.arange(16, dtype=np.float32).reshape(4, 4).astype(ml_dtypes.bfloat16)
+    doc = manifest()
+    doc["constant_tensors"] = [{"name": "w1", "dtype": "float32", "shape": [16, 16]},
+                               {"name": "wb", "dtype": "bfloat16", "shape": [4, 4]}]
+    (tmp_path / "p.json").write_text(json.dumps(doc))
+    np.savez(tmp_path / "p.npz", w1=W, wb=w.view(np.uint16).astype(">u2"))
+    q = Program.load(tmp_path / "p.json")
+    assert q.constants["wb"].dtype == w.dtype
+    np.testing.assert_array_equal(q.constants["wb"].astype(np.float32), w.astype(np.float32))
+
+
+def test_a_constants_file_changed_between_the_two_reads_is_refused(tmp_path, monkeypatch):
+    """The manifest is validated against the .npz headers, then the data is read: a file
+    replaced in between must not give a program whose constants do not fit its methods."""
+    from streamlane.runtime import program as program_module
+
+    path = write(tmp_path, manifest())
+    real = program_module._read_npz
+
+    def read_then_replace(folder, name, headers_only=False):
+        arrays = real(folder, name, headers_only)
+        if headers_only:
+            np.savez(tmp_path / "p.npz", w1=np.zeros((16, 9), np.float32))
+        return arrays
+
+    monkeypatch.setattr(program_module, "_read_npz", read_then_replace)
+    with pytest.raises(InvalidProgram, match="unchanged while it was read") as info:
+        Program.load(path)
+    assert info.value.path == "constants['w1']"
+
+
 def test_two_layer_mlp_in_a_few_lines():
     w2 = np.random.default_rng().standard_normal((16, 8)).astype(np.float32)
     b = Program.build("mlp", constants={"w1": W, "w2": w2})
