@@ -218,12 +218,14 @@ class Method:
         if kind == "b":
             return np.asarray(bool(value), dtype=want)
         try:
-            number = float(value)
+            number = float(value)  # a long double beyond float64 becomes inf here: not finite
+            finite = bool(np.isfinite(value)) if isinstance(value, np.floating) else \
+                math.isfinite(number)
         except OverflowError:  # an int beyond any float
             number = None
         with np.errstate(over="ignore"):
             array = np.asarray(number if number is not None else 0.0, dtype=want)
-        if number is None or math.isfinite(number) != bool(np.isfinite(array)):
+        if number is None or finite != bool(np.isfinite(array)):
             raise InvalidInput(self.name, index, f"a {decl.dtype} scalar within its range "
                                f"(finite numbers stay finite)", value)
         return array
