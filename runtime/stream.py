@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 __all__ = ["CallerStream", "Stream", "current_stream"]
 
 _SERIALS = itertools.count(1)
+_PINS = threading.Lock()  # pin / unpin / close of every stream (short, and rare but for jobs)
 
 PER_THREAD = "per-thread"
 LEGACY = "legacy"
@@ -43,8 +44,8 @@ class Stream:
     """A device stream. Obtain one from a ``Device`` (``create_stream()``, ``per_thread_stream()``,
     ``legacy_stream()``, ``wrap_stream(obj)``), never by calling this class."""
 
-    __slots__ = ("__weakref__", "_closed", "_finalizer", "_impl", "_keepalive", "device",
-                 "handle", "key", "kind", "owner_thread")
+    __slots__ = ("__weakref__", "_close_pending", "_closed", "_finalizer", "_impl",
+                 "_keepalive", "_pins", "device", "handle", "key", "kind", "owner_thread")
 
     def __init__(self, device: Device, kind: str, handle: int, impl: Any,
                  owner_thread: int | None = None, keepalive: Any = None):
@@ -55,6 +56,8 @@ class Stream:
         self._impl = impl
         self._keepalive = keepalive  # the foreign object we borrow from, kept alive while used
         self._closed = False
+        self._pins = 0  # work promised to this stream but not yet enqueued (pin / unpin)
+        self._close_pending = False  # close() came while pinned: it happens at the last unpin
         # Identity of the device queue. A per-thread stream is its thread's own queue, and a
         # thread's id is reused once the thread ends; an owned stream's handle may be handed out
         # again by the next create_stream() while the destroyed stream's work still runs. So
@@ -112,15 +115,41 @@ class Stream:
             raise InvalidState(f"{self!r} belongs to the driver and is shared by every user of "
                                f"the device; it cannot be closed. Close only streams from "
                                f"device.create_stream() (or wrappers of borrowed ones)")
-        if self._closed:
-            return
+        with _PINS:
+            if self._closed or self._close_pending:
+                return
+            if self._pins:  # work promised to it is still to be enqueued: close after that
+                self._close_pending = True
+                return
+        self._close_now()
+
+    def _close_now(self) -> None:
         self._closed = True
         if self._finalizer is not None:
             self._finalizer()
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        """True once ``close()`` was called (a pinned stream is destroyed at its last unpin)."""
+        return self._closed or self._close_pending
+
+    def pin(self) -> None:
+        """Promise work to this stream that is enqueued later (a scheduler job submitted with
+        ``stream=``): a ``close()`` before the matching ``unpin()`` takes effect then, so the
+        promised work still runs. Raises ``StreamClosed`` if it is already closed."""
+        with _PINS:
+            if self._closed or self._close_pending:
+                raise StreamClosed(f"{self!r} is closed; create a new stream with "
+                                   f"device.create_stream()")
+            self._pins += 1
+
+    def unpin(self) -> None:
+        """The promised work is enqueued (or will never be): see ``pin()``."""
+        with _PINS:
+            self._pins -= 1
+            close = self._pins == 0 and self._close_pending
+        if close:
+            self._close_now()
 
     def __enter__(self) -> Stream:
         return self
@@ -143,7 +172,7 @@ class Stream:
         return hash(self.key)
 
     def __repr__(self) -> str:
-        state = " closed" if self._closed else ""
+        state = " closed" if self.closed else ""
         owner = f" thread={self.owner_thread}" if self.owner_thread is not None else ""
         return f"<Stream {self.kind} {self.device.name} handle={self.handle:#x}{owner}{state}>"
 

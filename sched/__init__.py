@@ -5,13 +5,20 @@ returns a ``Job`` to await; ``after=`` orders jobs across lanes on the device; `
 measures the overlap you asked for.
 """
 
-from .errors import DependencyFailed, SchedulerBroken, SchedulerClosed, TimingStallWarning
+from .errors import (
+    ClosedStreamGiven,
+    DependencyFailed,
+    SchedulerBroken,
+    SchedulerClosed,
+    TimingStallWarning,
+)
 from .job import Job, JobOutput
 from .lane import Lane, LaneStatistics
 from .scheduler import Scheduler
 from .timeline import Span, Timeline
 
 __all__ = [
+    "ClosedStreamGiven",
     "DependencyFailed",
     "Job",
     "JobOutput",

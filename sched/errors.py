@@ -11,12 +11,24 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from streamlane.runtime.errors import DeviceError, InvalidState, StreamlaneError
+from streamlane.runtime.errors import (
+    DeviceError,
+    InvalidArgument,
+    InvalidState,
+    StreamClosed,
+    StreamlaneError,
+)
 
 if TYPE_CHECKING:
     from .job import Job
 
-__all__ = ["DependencyFailed", "SchedulerBroken", "SchedulerClosed", "TimingStallWarning"]
+__all__ = ["ClosedStreamGiven", "DependencyFailed", "SchedulerBroken", "SchedulerClosed",
+           "TimingStallWarning"]
+
+
+class ClosedStreamGiven(StreamClosed, InvalidArgument):
+    """``stream=`` names a closed stream: a ``StreamClosed``, as the runtime raises for work
+    given to a closed stream, and an ``InvalidArgument`` of the call that was given it."""
 
 
 class SchedulerClosed(InvalidState):

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from streamlane.runtime import Stream
 from streamlane.runtime.errors import InvalidArgument, InvalidState
 
 if TYPE_CHECKING:
@@ -270,6 +271,8 @@ class Job:
             event = self._publish_event
         if event is not None:
             event.set()
+        if isinstance(self.stream, Stream):  # pinned at submit (Scheduler._enqueue)
+            self.stream.unpin()
 
     # -- loop side ------------------------------------------------------------------------
     def _finish(self, state: str, error: BaseException | None = None) -> bool:

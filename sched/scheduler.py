@@ -57,7 +57,7 @@ from streamlane.runtime import CallerStream, Device, Event, Method, Result, Stre
 from streamlane.runtime.errors import InvalidArgument, InvalidState
 
 from ._wakeup import LoopWaker
-from .errors import SchedulerBroken, SchedulerClosed, TimingStallWarning
+from .errors import ClosedStreamGiven, SchedulerBroken, SchedulerClosed, TimingStallWarning
 from .job import CANCELLED, DONE, FAILED, Job, JobOutput, check_jobs
 from .lane import Lane, LaneStatistics
 from .timeline import Span, Timeline
@@ -370,6 +370,10 @@ class Scheduler:
         previous = state.last() if state is not None else None
         if previous is not None and previous.lane is not lane and previous not in host_waits:
             host_waits.append(previous)  # one thread at a time drives a method
+        if isinstance(stream, Stream):
+            # The job will run on it: a close() before it is enqueued waits for that (the job
+            # unpins it when published, enqueued or not).
+            stream.pin()
         job = Job(next(self._ids), method, values, lane, stream, tuple(host_waits), device_waits)
         if state is None:
             state = self._methods[method] = _MethodState(
@@ -488,7 +492,8 @@ class Scheduler:
                 raise InvalidArgument(f"stream= {stream!r} is a per-thread stream, usable only "
                                       f"from its own thread; pass device.create_stream()")
             if stream.closed:
-                raise InvalidArgument(f"stream= {stream!r} is closed")
+                raise ClosedStreamGiven(f"stream= {stream!r} is closed; pass an open stream "
+                                        f"(device.create_stream())")
             self._checked_stream = weakref.ref(stream)
 
     def _check_open(self) -> None:

@@ -22,7 +22,7 @@ from sched_helpers import (
 )
 
 from streamlane.runtime import Result
-from streamlane.runtime.errors import InvalidArgument, InvalidState
+from streamlane.runtime.errors import InvalidArgument, InvalidState, StreamClosed
 from streamlane.runtime.examples import load
 from streamlane.runtime.reference import run_reference
 from streamlane.sched import Job, Scheduler, SchedulerClosed
@@ -490,8 +490,9 @@ async def test_bad_arguments_raise_invalid_argument(device):
         stream = device.create_stream()
         await sched.run(method, [data(0)], stream=stream)
         stream.close()  # a stream that passed before is checked again
-        with pytest.raises(InvalidArgument, match="is closed"):
+        with pytest.raises(InvalidArgument, match="is closed") as info:
             await sched.submit(method, [data(0)], stream=stream)
+        assert isinstance(info.value, StreamClosed)  # as the runtime says it
         with pytest.raises(InvalidArgument, match="inputs must be a list"):
             await sched.submit(method, data(0))
         with pytest.raises(InvalidArgument, match="takes a Method"):
@@ -595,3 +596,22 @@ async def test_submit_await_and_close_from_another_thread_raise_invalid_state(de
             assert sched.statistics()[0].completed == 1
     np.testing.assert_array_equal(out.to_host(), 2 * x)
     assert not [t for t in threading.enumerate() if t.name.startswith("streamlane-lane")]
+
+
+@pytest.mark.parametrize("inline", [True, False], ids=["inline", "lane enqueues"])
+async def test_a_caller_stream_closed_right_after_submit_still_runs_the_job(device, inline):
+    """submit() promises the job will run: leaving `with device.create_stream() as s:` right
+    after submitting on it (the job held back, or queued for its lane) closes the stream
+    once the job is enqueued, not before."""
+    m = double_program().method("forward", device=device)
+    x = data(3)
+    with anyio.fail_after(30):
+        async with Scheduler(device, lanes=1, inline=inline) as sched:
+            first = Result.from_host(x, device)
+            with device.create_stream() as s:
+                job = await sched.submit(m, [first], stream=s)
+            assert s.closed
+            with pytest.raises(StreamClosed):
+                await sched.submit(m, [first], stream=s)
+            (out,) = await job
+            np.testing.assert_array_equal(out.to_host(), 2 * x)

@@ -19,7 +19,7 @@ import pytest
 from sched_helpers import BACKENDS, Gate, data, double_program, spin_program, wait_until
 
 from streamlane.runtime import Method, Program, Result
-from streamlane.runtime.errors import InvalidArgument, InvalidState, StreamClosed
+from streamlane.runtime.errors import InvalidArgument, InvalidInput, InvalidState
 from streamlane.runtime.result import PooledBuffer
 from streamlane.sched import Scheduler
 from streamlane.sched.lane import Lane
@@ -279,12 +279,11 @@ async def test_a_lone_jobs_output_results_exist_when_submit_returns(device):
                 _ = waiting.outputs[0].result
             gate.open()
             await waiting
-            closing = device.create_stream()
-            doomed = await sched.submit(lone, [x], stream=closing)  # held back
-            closing.close()
+            wrong = on_device(np.ones((3, 3), np.float32), device)  # refused by set_inputs
+            doomed = await sched.submit(lone, [wrong], stream=stream)  # held back
             with pytest.raises(InvalidState, match="failed before reaching the device"):
                 _ = doomed.outputs[0].result
-            with pytest.raises(StreamClosed):
+            with pytest.raises(InvalidInput):
                 await doomed
     np.testing.assert_allclose(result.to_host(), 2 * data(4), rtol=1e-6)
 

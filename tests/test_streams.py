@@ -68,6 +68,26 @@ def test_created_stream_close_is_idempotent_and_context_managed(device):
         device.launch("spin", s, [], [], {"us": 1})
 
 
+def test_a_pinned_stream_closes_at_its_last_unpin(device):
+    """pin(): work promised to the stream (a scheduler job) is enqueued after a close() the
+    caller made meanwhile; the stream reads closed at once, new pins are refused."""
+    s = device.create_stream()
+    s.pin()
+    s.pin()
+    s.close()
+    assert s.closed
+    with pytest.raises(StreamClosed):
+        s.pin()
+    x = device.to_device(np.arange(8, dtype=np.float32), s)  # the promised work
+    s.unpin()
+    device.launch("scale", s, [x], [x], {"factor": 2.0})
+    np.testing.assert_array_equal(device.to_host(x, s), 2 * np.arange(8))
+    s.unpin()
+    with pytest.raises(StreamClosed):
+        s.record()
+    s.close()  # still safe to call twice
+
+
 def test_our_streams_expose_cuda_stream_protocol_and_wrap_back(device):
     with device.create_stream() as s:
         version, handle = s.__cuda_stream__()
