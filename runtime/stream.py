@@ -32,7 +32,6 @@ if TYPE_CHECKING:
 __all__ = ["CallerStream", "Stream", "current_stream"]
 
 _SERIALS = itertools.count(1)
-_PINS = threading.Lock()  # pin / unpin / close of every stream (short, and rare but for jobs)
 
 PER_THREAD = "per-thread"
 LEGACY = "legacy"
@@ -56,7 +55,7 @@ class Stream:
         self._impl = impl
         self._keepalive = keepalive  # the foreign object we borrow from, kept alive while used
         self._closed = False
-        self._pins = 0  # work promised to this stream but not yet enqueued (pin / unpin)
+        self._pins: list[None] = []  # one per promise of work not yet enqueued (pin / unpin)
         self._close_pending = False  # close() came while pinned: it happens at the last unpin
         # Identity of the device queue. A per-thread stream is its thread's own queue, and a
         # thread's id is reused once the thread ends; an owned stream's handle may be handed out
@@ -115,18 +114,20 @@ class Stream:
             raise InvalidState(f"{self!r} belongs to the driver and is shared by every user of "
                                f"the device; it cannot be closed. Close only streams from "
                                f"device.create_stream() (or wrappers of borrowed ones)")
-        with _PINS:
-            if self._closed or self._close_pending:
-                return
-            if self._pins:  # work promised to it is still to be enqueued: close after that
-                self._close_pending = True
+        if self._closed or self._close_pending:
+            return
+        if self._pins:  # work promised to it is still to be enqueued: close after that
+            self._close_pending = True
+            if self._pins:  # else the last unpin came in between, maybe not seeing the flag
                 return
         self._close_now()
 
     def _close_now(self) -> None:
+        if self._closed:
+            return
         self._closed = True
         if self._finalizer is not None:
-            self._finalizer()
+            self._finalizer()  # runs once, whoever calls it
 
     @property
     def closed(self) -> bool:
@@ -137,18 +138,15 @@ class Stream:
         """Promise work to this stream that is enqueued later (a scheduler job submitted with
         ``stream=``): a ``close()`` before the matching ``unpin()`` takes effect then, so the
         promised work still runs. Raises ``StreamClosed`` if it is already closed."""
-        with _PINS:
-            if self._closed or self._close_pending:
-                raise StreamClosed(f"{self!r} is closed; create a new stream with "
-                                   f"device.create_stream()")
-            self._pins += 1
+        if self._closed or self._close_pending:
+            raise StreamClosed(f"{self!r} is closed; create a new stream with "
+                               f"device.create_stream()")
+        self._pins.append(None)  # list operations are atomic: no lock on a job's path
 
     def unpin(self) -> None:
         """The promised work is enqueued (or will never be): see ``pin()``."""
-        with _PINS:
-            self._pins -= 1
-            close = self._pins == 0 and self._close_pending
-        if close:
+        self._pins.pop()
+        if self._close_pending and not self._pins:
             self._close_now()
 
     def __enter__(self) -> Stream:
