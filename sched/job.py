@@ -271,7 +271,7 @@ class Job:
             event = self._publish_event
         if event is not None:
             event.set()
-        if isinstance(self.stream, Stream):  # pinned at submit (Scheduler._enqueue)
+        if isinstance(self.stream, Stream):  # pinned at submit (Scheduler._submit)
             self.stream.unpin()
 
     # -- loop side ------------------------------------------------------------------------

@@ -54,7 +54,7 @@ import numpy as np
 from anyio.lowlevel import checkpoint, checkpoint_if_cancelled
 
 from streamlane.runtime import CallerStream, Device, Event, Method, Result, Stream, get_device
-from streamlane.runtime.errors import InvalidArgument, InvalidState
+from streamlane.runtime.errors import InvalidArgument, InvalidState, StreamClosed
 
 from ._wakeup import LoopWaker
 from .errors import ClosedStreamGiven, SchedulerBroken, SchedulerClosed, TimingStallWarning
@@ -343,6 +343,13 @@ class Scheduler:
             if lane is None and state is not None and state.lane is not target:
                 slots.release()
                 return await self._submit(method, inputs, None, after, stream, awaited)
+        if isinstance(stream, Stream):
+            try:  # the job will run on it: a close() from now on waits for its enqueue
+                stream.pin()
+            except StreamClosed:  # closed meanwhile (while we waited for room, or elsewhere)
+                slots.release()
+                raise ClosedStreamGiven(f"stream= {stream!r} is closed; pass an open stream "
+                                        f"(device.create_stream())") from None
         return self._enqueue(method, values, target, after_jobs, stream, state, awaited)
 
     async def run(self, method: Method, inputs: Sequence[Any], *, lane: int | None = None,
@@ -370,10 +377,6 @@ class Scheduler:
         previous = state.last() if state is not None else None
         if previous is not None and previous.lane is not lane and previous not in host_waits:
             host_waits.append(previous)  # one thread at a time drives a method
-        if isinstance(stream, Stream):
-            # The job will run on it: a close() before it is enqueued waits for that (the job
-            # unpins it when published, enqueued or not).
-            stream.pin()
         job = Job(next(self._ids), method, values, lane, stream, tuple(host_waits), device_waits)
         if state is None:
             state = self._methods[method] = _MethodState(

@@ -615,3 +615,35 @@ async def test_a_caller_stream_closed_right_after_submit_still_runs_the_job(devi
                 await sched.submit(m, [first], stream=s)
             (out,) = await job
             np.testing.assert_array_equal(out.to_host(), 2 * x)
+
+
+async def test_a_caller_stream_closed_while_its_submit_waits_for_room_frees_the_room(device):
+    """The stream is checked again once there is room: the submit raises ClosedStreamGiven and
+    gives the room back (it leaked, and the next submit on that lane waited forever)."""
+    from streamlane.sched import ClosedStreamGiven
+
+    first = double_program("a").method("forward", device=device)
+    second = double_program("b").method("forward", device=device)
+    held, doomed = device.create_stream(), device.create_stream()
+    box = {}
+    with anyio.fail_after(30):
+        async with Scheduler(device, lanes=1, queue_size=1) as sched:
+            with device.create_latch() as latch:
+                latch.hold(held)
+                job = await sched.submit(first, [data(0)], stream=held)  # the lane is full
+
+                async def submit_waiting_for_room():
+                    try:
+                        await sched.submit(second, [data(1)], stream=doomed)
+                    except Exception as exc:  # reported below
+                        box["error"] = exc
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(submit_waiting_for_room)
+                    await anyio.sleep(0.05)
+                    doomed.close()
+                    latch.release()
+            await job
+            assert isinstance(box.get("error"), ClosedStreamGiven), box
+            (out,) = await sched.run(first, [data(2)])  # the room came back
+    np.testing.assert_array_equal(out.to_host(), 2 * data(2))
