@@ -54,8 +54,8 @@ class InvalidProgram(StreamlaneError):
     """A program definition (file or builder) is invalid.
 
     Fields: ``path`` (JSON path of the bad field, e.g. ``methods.forward.steps[2].in[0]``; a key
-    that is not a plain name, such as one holding a dot, is quoted: ``methods['enc.v2']``),
-    ``expected`` and ``got``.
+    that is not a plain name, such as one holding a dot, is quoted: ``methods['enc.v2']``; a
+    member of the constants ``.npz`` always is: ``constants['w1']``), ``expected`` and ``got``.
     """
 
     def __init__(self, path: str, expected: str, got: Any = None):

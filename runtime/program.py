@@ -174,8 +174,8 @@ class Program:
         """Bind method ``name`` to ``device`` (a Device or a name for ``get_device``).
 
         With ``device=None`` (or ``"auto"``) the device is ``get_device()``'s choice; when that
-        is a GPU and the program names a ``device_index`` (and ``STREAMLANE_DEVICE`` does not
-        force a device), it is that GPU. The host device has one index and takes any program."""
+        is a GPU and the program names a ``device_index`` (and ``STREAMLANE_DEVICE`` is unset),
+        it is that GPU. The host device has one index and takes any program."""
         from .device import Device, get_device
         from .method import Method
 

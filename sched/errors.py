@@ -44,7 +44,8 @@ class SchedulerBroken(DeviceError):
 
 class DependencyFailed(StreamlaneError):
     """A job was not run because ``dependency`` (an ``after=`` job, or the job whose output it
-    takes as input) failed before reaching the device. ``__cause__`` is that job's error."""
+    takes as input) failed before reaching the device, or failed on it and let go of the
+    outputs this job reads. ``__cause__`` is that job's error."""
 
     def __init__(self, job: Job, dependency: Job, error: BaseException):
         self.job = job

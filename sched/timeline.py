@@ -1,7 +1,9 @@
 """Timelines: when each job ran on the device, measured with timing events.
 
-Each job's span runs from a timing event recorded on its stream just before its execute to one
-recorded just after, both read against one reference event recorded when the scheduler started.
+Each job's span runs from a timing event its execute records on its stream after the execute's
+device waits (rule 4's handoff, inputs from other streams), just before its first step, to one
+recorded just after the execute, both read against one reference event recorded when the
+scheduler started.
 So spans of different lanes and streams share one clock (the device's), and the overlap factor
 is measured, not inferred: ``overlap() = sum of job durations / length of their union``.
 """
