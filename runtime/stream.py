@@ -116,11 +116,12 @@ class Stream:
                                f"device.create_stream() (or wrappers of borrowed ones)")
         if self._closed or self._close_pending:
             return
-        if self._pins:  # work promised to it is still to be enqueued: close after that
-            self._close_pending = True
-            if self._pins:  # else the last unpin came in between, maybe not seeing the flag
-                return
-        self._close_now()
+        # Announce, then look (pin() does the same the other way round), so that a pin and a
+        # close racing on two threads never both miss each other; whoever sees the other last
+        # closes (the last unpin, or here).
+        self._close_pending = True
+        if not self._pins:
+            self._close_now()
 
     def _close_now(self) -> None:
         if self._closed:
@@ -138,14 +139,18 @@ class Stream:
         """Promise work to this stream that is enqueued later (a scheduler job submitted with
         ``stream=``): a ``close()`` before the matching ``unpin()`` takes effect then, so the
         promised work still runs. Raises ``StreamClosed`` if it is already closed."""
+        self._pins.append(None)  # list operations are atomic: no lock on a job's path
         if self._closed or self._close_pending:
+            self.unpin()
             raise StreamClosed(f"{self!r} is closed; create a new stream with "
                                f"device.create_stream()")
-        self._pins.append(None)  # list operations are atomic: no lock on a job's path
 
     def unpin(self) -> None:
         """The promised work is enqueued (or will never be): see ``pin()``."""
-        self._pins.pop()
+        try:
+            self._pins.pop()
+        except IndexError:
+            raise InvalidState(f"{self!r}: unpin() without a matching pin()") from None
         if self._close_pending and not self._pins:
             self._close_now()
 

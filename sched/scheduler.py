@@ -398,8 +398,7 @@ class Scheduler:
             (not host_waits or all(dep._is_published for dep in host_waits))
         self._pending.add(job)
         lane.outstanding += 1
-        if self._queues is not None:
-            self._count_stream(job, 1)
+        stall = self._count_stream(job, 1) if self._queues is not None else None
         if inline:
             lane.park(job)
             if awaited:
@@ -414,6 +413,8 @@ class Scheduler:
         else:
             lane.put(job)
             self._check_loop_job_slot(lane)
+        if stall is not None:
+            self._stall_warning(stall)
         return job
 
     def _check_loop_job_slot(self, lane: Lane) -> None:
@@ -440,9 +441,9 @@ class Scheduler:
         return kernels_only and all(isinstance(v, (Result, JobOutput)) for v in values) and \
             not method.may_wait_on_host()
 
-    def _count_stream(self, job: Job, delta: int) -> None:
-        """Count ``job`` in (+1) or out (-1) of the streams with jobs pending; warn once when
-        they outnumber the device's hardware queues (``TimingStallWarning``)."""
+    def _count_stream(self, job: Job, delta: int) -> int | None:
+        """Count ``job`` in (+1) or out (-1) of the streams with jobs pending. Returns the
+        device's hardware queues, once, when they are outnumbered: ``_stall_warning``."""
         busy = self._busy_streams
         key = id(job.stream) if job.stream is not None else id(job.lane)
         count = busy.get(key, 0) + delta
@@ -454,13 +455,19 @@ class Scheduler:
         if delta > 0 and queues is not None and len(busy) > queues:
             self._queues = None
             busy.clear()
-            warnings.warn(
-                f"{queues + 1} streams have timed jobs pending on {self.device.name}, more than "
-                f"its {queues} hardware queues (CUDA_DEVICE_MAX_CONNECTIONS): streams now share "
-                f"queues, and the timing event after each job holds up the streams behind it, "
-                f"so overlap stops near {queues}x. For wider overlap create the Scheduler with "
-                f"timing=False (no timeline), or set CUDA_DEVICE_MAX_CONNECTIONS=32 before CUDA "
-                f"initializes", TimingStallWarning, stacklevel=_caller_level())
+            return queues
+        return None
+
+    def _stall_warning(self, queues: int) -> None:
+        """``TimingStallWarning``: issued by a submit once its job is queued, so that a warnings
+        filter turning it into an error leaves nothing half done (the job runs)."""
+        warnings.warn(
+            f"{queues + 1} streams have timed jobs pending on {self.device.name}, more than "
+            f"its {queues} hardware queues (CUDA_DEVICE_MAX_CONNECTIONS): streams now share "
+            f"queues, and the timing event after each job holds up the streams behind it, "
+            f"so overlap stops near {queues}x. For wider overlap create the Scheduler with "
+            f"timing=False (no timeline), or set CUDA_DEVICE_MAX_CONNECTIONS=32 before CUDA "
+            f"initializes", TimingStallWarning, stacklevel=_caller_level())
 
     def _pick_lane(self, method: Method, lane: int | None, state: _MethodState | None) -> Lane:
         if lane is not None:

@@ -133,3 +133,24 @@ def test_cuda_reports_the_hardware_queues_of_its_environment(cuda_device, monkey
         os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"))
     assert [_max_connections(v) for v in (None, "8", "32", "64", "1", "0", "-3", "x")] == \
         [8, 8, 32, 32, 1, 8, 8, 8]
+
+
+@pytest.mark.anyio
+async def test_the_warning_as_an_error_leaves_the_submitted_job_running(device, monkeypatch):
+    """Under a filter that turns the warning into an error, the submit raises it once its job
+    is queued: the job runs, its stream closes, and leaving the scheduler does not hang (the
+    job was left pending forever, its stream pinned)."""
+    monkeypatch.setattr(device, "hardware_queues", 1)
+    methods = [spin_program(SPIN_US, f"e{i}").method("forward", device=device) for i in range(2)]
+    streams = [device.create_stream() for _ in range(2)]
+    with anyio.fail_after(30), warnings.catch_warnings():
+        warnings.simplefilter("error", TimingStallWarning)
+        async with Scheduler(device, lanes=1) as sched:
+            first = await sched.submit(methods[0], [data(0)], stream=streams[0])
+            with pytest.raises(TimingStallWarning):
+                await sched.submit(methods[1], [data(1)], stream=streams[1])
+            streams[1].close()
+            await first
+    assert sched.statistics()[0].completed == 2 and streams[1].closed
+    assert not streams[1]._pins, "the second job never gave its stream back"
+    streams[0].close()

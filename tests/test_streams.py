@@ -88,6 +88,35 @@ def test_a_pinned_stream_closes_at_its_last_unpin(device):
     s.close()  # still safe to call twice
 
 
+def test_a_close_on_another_thread_inside_a_pin_never_destroys_a_pinned_stream(host):
+    """pin() and close() each announce, then look at the other: a close that lands between
+    a pin's announcement and its check makes the pin refuse (the stream closes, once); one
+    that lands after the pin waits for its unpin. (Helper review: the stream was destroyed
+    under a pin, and the job then failed or hung.) An unpin without a pin is InvalidState."""
+    destroyed = []
+
+    class CloseDuringAppend(list):
+        def append(self, item):
+            super().append(item)
+            in_thread(stream.close)  # another thread, between the pin's append and its check
+
+    stream = host.create_stream()
+    stream._finalizer = lambda: destroyed.append(True)
+    stream._pins = CloseDuringAppend()
+    with pytest.raises(StreamClosed):
+        stream.pin()
+    assert stream.closed and destroyed == [True] and not stream._pins
+    stream = host.create_stream()
+    stream.pin()
+    in_thread(stream.close)
+    assert stream.closed and not stream._closed, "destroyed while pinned"
+    stream.record()  # the promised work still goes in
+    stream.unpin()
+    assert stream._closed
+    with pytest.raises(InvalidState, match="without a matching pin"):
+        stream.unpin()
+
+
 def test_our_streams_expose_cuda_stream_protocol_and_wrap_back(device):
     with device.create_stream() as s:
         version, handle = s.__cuda_stream__()
