@@ -28,7 +28,7 @@ import numpy as np
 from streamlane.kernels import KernelSpec
 
 from .device import Device, PreparedLaunch
-from .errors import DeviceError, InvalidArgument
+from .errors import DeviceError, InvalidArgument, StreamClosed
 from .event import Event
 from .memory import DeviceArray
 from .stream import LEGACY, PER_THREAD, Stream
@@ -55,6 +55,9 @@ class _Worker:
         self.thread.start()
 
     def put(self, item: Callable[[], None]) -> None:
+        if self.stopped:  # a borrowed handle of a stream its owner closed: work would be lost
+            raise StreamClosed(f"host stream {self.id:#x} was destroyed by its owner; work "
+                               f"given to it (through a borrowed handle) would never run")
         self.queue.put(item)
 
     def stop(self) -> None:

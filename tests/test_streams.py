@@ -132,6 +132,16 @@ class _Foreign:
         return (0, self.handle)
 
 
+def test_host_work_given_to_a_borrowed_handle_of_a_closed_stream_is_refused(host):
+    """The owner closed the stream; work through a wrapper of its handle would never run
+    (and a wait for it never return): StreamClosed instead."""
+    owner = host.create_stream()
+    borrowed = host.wrap_stream(_Foreign(owner.handle))
+    owner.close()
+    with pytest.raises(StreamClosed, match="destroyed by its owner"):
+        host.launch("spin", borrowed, [], [], {"us": 1})
+
+
 def test_foreign_stream_is_borrowed_never_destroyed(device):
     owner = device.create_stream()
     borrowed = device.wrap_stream(_Foreign(owner.handle))
