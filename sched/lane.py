@@ -286,9 +286,14 @@ class Lane:
                     if holding != (self._queued_calls < HOLD_GIL_BELOW):
                         holding = not holding
                         self.device.hold_gil(holding)
-                    if self._execute(job, stream) and not self._complete_here(job):
-                        self._hand(job)
+                    report = None
+                    if self._execute(job, stream):
+                        report = self._complete_here(job)
+                        if report is None:
+                            self._hand(job)
                     del job  # not held while waiting for the next one (see _run_waiter)
+                    if report is not None:
+                        core.waker.post(report)
         finally:
             park = self._parking()
             self._completions.put(None)
@@ -386,13 +391,14 @@ class Lane:
         except IndexError:
             return self.device.create_event(timing=True)
 
-    def _complete_here(self, job: Job) -> bool:
-        """Report ``job`` from the lane thread itself, skipping the hop to the waiter thread,
-        when the lane has nothing else to do and the job completes within the spin budget.
+    def _complete_here(self, job: Job) -> Callable[[], object] | None:
+        """Settle ``job`` on the lane thread itself, skipping the hop to the waiter thread,
+        when the lane has nothing else to do and the job completes within the spin budget;
+        returns the report for the caller to post to the loop (None: hand it to the waiter).
 
         Only when the waiter holds no job of this lane, so completions stay in lane order."""
         if self._handed or not self._jobs.empty():
-            return False
+            return None
         event = job.event
         assert event is not None
         try:
@@ -400,20 +406,22 @@ class Lane:
                 deadline = time.perf_counter() + self._core.spin_s
                 while True:
                     if time.perf_counter() >= deadline or not self._jobs.empty():
-                        return False
+                        return None
                     time.sleep(0)  # queries keep the GIL (hold_gil): let the loop run between
                     if event.query():
                         break
         except Exception:  # a device error: the waiter's blocking wait reports it
-            return False
-        self._settle([job], None)
-        return True
+            return None
+        return self._settle([job], None)
 
     def _settle(self, batch: list[Job], error: BaseException | None,
-                on_loop: bool = False) -> None:
-        """Count ``batch`` as completed and report it to the loop: from this lane's threads by
-        a wakeup, or directly when ``on_loop`` (the loop thread saw it complete: ``poll``).
-        A job is settled once: whichever thread claims it first does it."""
+                on_loop: bool = False) -> Callable[[], object] | None:
+        """Count ``batch`` as completed and report it to the loop: directly when ``on_loop``
+        (the loop thread saw it complete: ``poll``), else by returning the report for the
+        caller to post once it has dropped its own references to the jobs (the loop may run
+        the report, and the user drop the outputs, before this thread runs again: a job it
+        still held kept its buffers out of the method's pool). A job is settled once:
+        whichever thread claims it first does it."""
         core = self._core
         with self._lock:
             batch = [job for job in batch if not job._claimed]
@@ -423,7 +431,7 @@ class Lane:
             self._completed += len(batch)
             self._queued_calls -= sum(job._calls for job in batch)
         if not batch:
-            return
+            return None
         if error is None and core.timing:  # reads timing events: not under the lock
             busy = self._spans(batch)
             with self._lock:
@@ -433,8 +441,8 @@ class Lane:
             error = core.broken_error() or error
         if on_loop:
             core.finish_batch(batch, error)
-        else:
-            core.waker.post(_Call(core.finish_batch, batch, error))
+            return None
+        return _Call(core.finish_batch, batch, error)
 
     def _wait_published(self, dep: Job) -> None:
         core = self._core
@@ -478,12 +486,15 @@ class Lane:
                             held = nxt
                             break
                         batch.append(nxt)
-                self._settle(batch, error)
+                report = self._settle(batch, error)
                 with self._lock:
                     self._handed -= len(batch)
-                # Not held while waiting for the next job: a finished job's Results keep its
-                # buffers out of the method's pool.
+                # Not held once reported, nor while waiting for the next job: a finished job's
+                # Results keep its buffers out of the method's pool.
                 job = batch = nxt = None
+                if report is not None:
+                    core.waker.post(report)
+                    report = None
         finally:
             park = self._parking()
             if self.exited is not None:

@@ -638,6 +638,8 @@ class Scheduler:
         if not job._finish(state, error):
             return
         self._pending.discard(job)
+        if self._loop_job is job:  # kept for its poll: let go of it (and its outputs) now
+            self._loop_job = None
         if self._queues is not None:
             self._count_stream(job, -1)
         lane = job.lane

@@ -55,7 +55,7 @@ def loop_settles(monkeypatch):
     def settle(self, batch, error, on_loop=False):
         fresh = sum(1 for job in batch if not job._claimed)
         counts["loop" if on_loop else "lane threads"] += fresh
-        real(self, batch, error, on_loop)
+        return real(self, batch, error, on_loop)
 
     monkeypatch.setattr(Lane, "_settle", settle)
     return counts
@@ -549,12 +549,19 @@ async def test_a_method_whose_output_went_to_an_unknown_stream_is_not_executed_o
                 y._holder.pooled.export_to(None)
             del y
             assert method.may_wait_on_host()
-            (y,) = await sched.run(method, [x], stream=stream)  # rewrites that buffer
-            assert not method.may_wait_on_host()
+            # Until an execute rewrites that buffer. Usually the next one does; on a loaded
+            # machine the thread that settled the first job may still hold its Result for a
+            # moment, and the execute takes a fresh buffer instead (one run in ten).
+            lane_runs = 0
+            while method.may_wait_on_host():
+                assert lane_runs < 5, "the exported buffer was never rewritten"
+                (y,) = await sched.run(method, [x], stream=stream)
+                lane_runs += 1
             (z,) = await sched.run(method, [x], stream=stream)
-    assert executing_threads["exported.forward"][0] == loop
-    assert executing_threads["exported.forward"][1] != loop, "it ran on the loop thread"
-    assert executing_threads["exported.forward"][2] == loop
+    threads = executing_threads["exported.forward"]
+    assert threads[0] == loop and len(threads) == lane_runs + 2
+    assert loop not in threads[1:-1], "a job that may wait on the host ran on the loop thread"
+    assert threads[-1] == loop
     np.testing.assert_allclose(y.to_host(), 2 * data(0), rtol=1e-6)
     np.testing.assert_allclose(z.to_host(), 2 * data(0), rtol=1e-6)
 
