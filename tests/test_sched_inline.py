@@ -758,3 +758,24 @@ async def test_poll_spin_and_inline_settings_are_validated(device):
             Scheduler(device, spin_us=bad)
     with pytest.raises(InvalidArgument, match="inline must be a bool"):
         Scheduler(device, inline=1)
+
+
+async def test_a_lone_job_the_loop_polled_is_not_kept_once_finished(device):
+    """The loop keeps a lone job for its await's poll; once the job has finished, the
+    scheduler lets go of it (and of its outputs: their buffers go back to the method's pool)
+    without waiting for another submit."""
+    import gc
+    import weakref
+
+    method = double_program("kept").method("forward", device=device)
+    stream = device.create_stream()
+    x = on_device(data(6), device)
+    with anyio.fail_after(30):
+        async with Scheduler(device, lanes=1, poll_us=1e6) as sched:
+            job = await sched.submit(method, [x], stream=stream)
+            (y,) = await job
+            np.testing.assert_allclose(y.to_host(), 2 * data(6), rtol=1e-6)
+            kept = weakref.ref(job)
+            del job, y
+            await wait_until(lambda: gc.collect() >= 0 and kept() is None,
+                             what="the finished job let go")
