@@ -233,7 +233,9 @@ class Lane:
     def _complete_on_loop(self, job: Job) -> bool:
         if not _complete(job):
             return False
-        self._settle([job], None, on_loop=True)
+        report = self._settle([job], None)
+        if report is not None:
+            report()  # on the loop: settle it here, now
         job._loop_owned = False  # settled: nothing left to hand to the waiter
         return job._finished
 
@@ -414,14 +416,14 @@ class Lane:
             return None
         return self._settle([job], None)
 
-    def _settle(self, batch: list[Job], error: BaseException | None,
-                on_loop: bool = False) -> Callable[[], object] | None:
-        """Count ``batch`` as completed and report it to the loop: directly when ``on_loop``
-        (the loop thread saw it complete: ``poll``), else by returning the report for the
-        caller to post once it has dropped its own references to the jobs (the loop may run
-        the report, and the user drop the outputs, before this thread runs again: a job it
-        still held kept its buffers out of the method's pool). A job is settled once:
-        whichever thread claims it first does it."""
+    def _settle(self, batch: list[Job], error: BaseException | None
+                ) -> Callable[[], object] | None:
+        """Count ``batch`` as completed and return the report that settles it on the loop
+        (None: another thread claimed every job first; a job is settled once). The loop thread
+        runs the report itself (``poll``); a lane thread posts it once it has dropped its own
+        references to the jobs (the loop may run the report, and the user drop the outputs,
+        before this thread runs again: a job it still held kept its buffers out of the
+        method's pool)."""
         core = self._core
         with self._lock:
             batch = [job for job in batch if not job._claimed]
@@ -439,9 +441,6 @@ class Lane:
         if error is not None:
             core.break_(error, batch[0], "waiting for")
             error = core.broken_error() or error
-        if on_loop:
-            core.finish_batch(batch, error)
-            return None
         return _Call(core.finish_batch, batch, error)
 
     def _wait_published(self, dep: Job) -> None:

@@ -96,6 +96,11 @@ def _caller_level() -> int:
     return level
 
 
+def _closed_stream_given(stream: Stream) -> ClosedStreamGiven:
+    return ClosedStreamGiven(f"stream= {stream!r} is closed; pass an open stream "
+                             f"(device.create_stream())")
+
+
 class _MethodState:
     __slots__ = ("calls", "kernels_only", "lane", "last")
 
@@ -348,8 +353,7 @@ class Scheduler:
                 stream.pin()
             except StreamClosed:  # closed meanwhile (while we waited for room, or elsewhere)
                 slots.release()
-                raise ClosedStreamGiven(f"stream= {stream!r} is closed; pass an open stream "
-                                        f"(device.create_stream())") from None
+                raise _closed_stream_given(stream) from None
         return self._enqueue(method, values, target, after_jobs, stream, state, awaited)
 
     async def run(self, method: Method, inputs: Sequence[Any], *, lane: int | None = None,
@@ -502,8 +506,7 @@ class Scheduler:
                 raise InvalidArgument(f"stream= {stream!r} is a per-thread stream, usable only "
                                       f"from its own thread; pass device.create_stream()")
             if stream.closed:
-                raise ClosedStreamGiven(f"stream= {stream!r} is closed; pass an open stream "
-                                        f"(device.create_stream())")
+                raise _closed_stream_given(stream)
             self._checked_stream = weakref.ref(stream)
 
     def _check_open(self) -> None:

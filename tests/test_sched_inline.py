@@ -52,10 +52,11 @@ def loop_settles(monkeypatch):
     counts = {"loop": 0, "lane threads": 0}
     real = Lane._settle
 
-    def settle(self, batch, error, on_loop=False):
+    def settle(self, batch, error):
         fresh = sum(1 for job in batch if not job._claimed)
+        on_loop = threading.get_ident() == self._core.waker.loop_thread
         counts["loop" if on_loop else "lane threads"] += fresh
-        return real(self, batch, error, on_loop)
+        return real(self, batch, error)
 
     monkeypatch.setattr(Lane, "_settle", settle)
     return counts
