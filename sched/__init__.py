@@ -3,19 +3,44 @@
 A ``Scheduler`` runs methods on lanes (dedicated host threads, one stream each); ``submit``
 returns a ``Job`` to await; ``after=`` orders jobs across lanes on the device; ``timeline()``
 measures the overlap you asked for.
+
+The names below are imported on first use (PEP 562): the ``streamlane`` command imports this
+package before its ``main`` runs, and numpy, anyio and the runtime take ~0.2 s to import, a
+window in which Ctrl-C would print Python's traceback instead of the command's one line.
 """
 
-from .errors import (
-    ClosedStreamGiven,
-    DependencyFailed,
-    SchedulerBroken,
-    SchedulerClosed,
-    TimingStallWarning,
-)
-from .job import Job, JobOutput
-from .lane import Lane, LaneStatistics
-from .scheduler import Scheduler
-from .timeline import Span, Timeline
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .errors import (
+        ClosedStreamGiven,
+        DependencyFailed,
+        SchedulerBroken,
+        SchedulerClosed,
+        TimingStallWarning,
+    )
+    from .job import Job, JobOutput
+    from .lane import Lane, LaneStatistics
+    from .scheduler import Scheduler
+    from .timeline import Span, Timeline
+
+_HOMES = {
+    "ClosedStreamGiven": "errors",
+    "DependencyFailed": "errors",
+    "Job": "job",
+    "JobOutput": "job",
+    "Lane": "lane",
+    "LaneStatistics": "lane",
+    "Scheduler": "scheduler",
+    "SchedulerBroken": "errors",
+    "SchedulerClosed": "errors",
+    "Span": "timeline",
+    "Timeline": "timeline",
+    "TimingStallWarning": "errors",
+}
 
 __all__ = [
     "ClosedStreamGiven",
@@ -31,3 +56,17 @@ __all__ = [
     "Timeline",
     "TimingStallWarning",
 ]
+assert sorted(__all__) == sorted(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{home}", __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_HOMES})

@@ -50,11 +50,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    if not 1 <= args.requests <= MAX_REQUESTS:
-        return _fail(f"--requests must be in 1..{MAX_REQUESTS} (the demo prepares every "
-                     f"request's input before it starts), got {args.requests}", 2)
+    # Everything, imports included (this module and the package import only the standard
+    # library before this point), runs under the Ctrl-C handler.
     try:
+        args = _parser().parse_args(argv)
+        if not 1 <= args.requests <= MAX_REQUESTS:
+            return _fail(f"--requests must be in 1..{MAX_REQUESTS} (the demo prepares every "
+                         f"request's input before it starts), got {args.requests}", 2)
         return _demo(args)
     except KeyboardInterrupt:  # the schedulers have already waited for the device's work
         return _fail("interrupted", 130)
