@@ -132,7 +132,9 @@ MUL = _elementwise(
 
 AXPY = _elementwise(
     "axpy", ("x", "y"), "out[i] = fmaf(alpha, x[i], y[i]);",
-    host=_assign(lambda ins, p: np.float32(p["alpha"]) * ins[0] + ins[1]),
+    # One rounding, as fmaf: the float32 product is exact in float64, and the float64 sum
+    # then rounds to float32 (a double rounding, 1 ulp off fmaf in rare ties at most).
+    host=_assign(lambda ins, p: np.float32(p["alpha"]) * f64(ins[0]) + ins[1]),
     reference=lambda ins, p: [p["alpha"] * f64(ins[0]) + f64(ins[1])],
     params={"alpha": _float_param(1.0, "the factor of x")},
     doc="out = alpha * x + y (same shapes).")
@@ -144,9 +146,10 @@ SCALE = _elementwise(
     params={"factor": _float_param(1.0, "the factor")},
     doc="out = factor * x.")
 
-# `v < 0 ? 0 : v` rather than fmaxf: NaN propagates, as in numpy (np.maximum) and torch.
+# `v <= 0 ? 0 : v` rather than fmaxf: NaN propagates, as in numpy (np.maximum) and torch, and
+# -0.0 gives +0.0, as np.maximum(-0.0, 0.0) does.
 RELU = _elementwise(
-    "relu", ("x",), "const float v = x[i]; out[i] = v < 0.0f ? 0.0f : v;",
+    "relu", ("x",), "const float v = x[i]; out[i] = v <= 0.0f ? 0.0f : v;",
     host=lambda ins, outs, p: np.maximum(ins[0], np.float32(0.0), out=outs[0]),
     reference=lambda ins, p: [np.maximum(f64(ins[0]), 0.0)],
     doc="out = max(x, 0); NaN stays NaN.")

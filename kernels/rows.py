@@ -2,9 +2,9 @@
 
 A tensor of any rank >= 1 is seen as ``rows x cols`` (cols = last axis). One block handles one
 row (grid-stride over rows past 65535) and combines its threads' partial results with the
-block reductions of ``_common.BLOCK_REDUCE_CUDA``. Signature: ``(x, out, long long rows,
-long long cols[, float eps])``. Each row kernel reads a row only after the previous block
-reduction finished, so in-place use (out == x) is safe too.
+block reductions of ``_common.BLOCK_REDUCE_CUDA``, summing in double. Signature: ``(x, out,
+long long rows, long long cols[, double eps])``. Each row kernel reads a row only after the
+previous block reduction finished, so in-place use (out == x) is safe too.
 """
 
 from __future__ import annotations
@@ -15,55 +15,54 @@ from typing import Any
 import numpy as np
 
 from ._common import BLOCK_REDUCE_CUDA, check_ins, checked_configure, f64, min_rank, row_launch
-from .spec import KernelSpec, LaunchConfig, Param, Shape, c_float
+from .spec import KernelSpec, LaunchConfig, Param, Shape, c_double
 
 SOFTMAX_CUDA = BLOCK_REDUCE_CUDA + r"""
-// Numerically stable: exp(x - max) never overflows. Pass 2 stores the exponentials in out,
-// pass 3 divides them by the row sum.
+// Numerically stable: exp(x - max) never overflows. Pass 2 stores the exponentials in out
+// and sums them in double, pass 3 divides them by the row sum.
 extern "C" __global__ void sl_softmax(const float* x, float* out, long long rows, long long cols) {
-    __shared__ float scratch[32];
+    __shared__ double scratch[32];
     for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
         const float* xr = x + r * cols;
         float* yr = out + r * cols;
         float mx = __int_as_float(0xff800000);
         for (long long j = threadIdx.x; j < cols; j += blockDim.x) mx = fmaxf(mx, xr[j]);
-        mx = sl_block_max(mx, scratch);
-        float s = 0.0f;
+        mx = sl_block_max(mx, (float*)scratch);
+        double s = 0.0;
         for (long long j = threadIdx.x; j < cols; j += blockDim.x) {
             const float e = expf(xr[j] - mx);
             yr[j] = e;
             s += e;
         }
         s = sl_block_sum(s, scratch);
-        for (long long j = threadIdx.x; j < cols; j += blockDim.x) yr[j] = yr[j] / s;
+        for (long long j = threadIdx.x; j < cols; j += blockDim.x) yr[j] = (float)(yr[j] / s);
     }
 }
 """
 
 # Two passes (mean, then the mean of squared deviations) rather than E[x^2] - E[x]^2, which
-# cancels catastrophically when |mean| >> std.
+# cancels catastrophically when |mean| >> std; both in double, from float32 values: x - mean
+# is then exact to double precision, so a constant row (even far from zero) gives exactly 0, a
+# long row's mean is accurate, and squares of deviations up to float32's range cannot overflow.
 LAYERNORM_CUDA = BLOCK_REDUCE_CUDA + r"""
 extern "C" __global__ void sl_layernorm(const float* x, float* out, long long rows, long long cols,
-                                        float eps) {
-    __shared__ float scratch[32];
+                                        double eps) {
+    __shared__ double scratch[32];
     for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
         const float* xr = x + r * cols;
         float* yr = out + r * cols;
-        // Relative to the row's first element k: x - k is exact for values near k, so a
-        // constant row gives exactly 0 and a large offset (a row near 1e4) costs no precision;
-        // the mean itself (near k) is never rounded to float32.
-        const float k = xr[0];
-        float s = 0.0f;
-        for (long long j = threadIdx.x; j < cols; j += blockDim.x) s += xr[j] - k;
-        const float m = sl_block_sum(s, scratch) / (float)cols;  // mean - k
-        float q = 0.0f;
+        double s = 0.0;
+        for (long long j = threadIdx.x; j < cols; j += blockDim.x) s += xr[j];
+        const double m = sl_block_sum(s, scratch) / (double)cols;
+        double q = 0.0;
         for (long long j = threadIdx.x; j < cols; j += blockDim.x) {
-            const float d = (xr[j] - k) - m;
-            q = fmaf(d, d, q);
+            const double d = xr[j] - m;
+            q = fma(d, d, q);
         }
-        const float var = sl_block_sum(q, scratch) / (float)cols;
-        const float inv = 1.0f / sqrtf(var + eps);
-        for (long long j = threadIdx.x; j < cols; j += blockDim.x) yr[j] = ((xr[j] - k) - m) * inv;
+        const double var = sl_block_sum(q, scratch) / (double)cols;
+        const double inv = 1.0 / sqrt(var + eps);
+        for (long long j = threadIdx.x; j < cols; j += blockDim.x)
+            yr[j] = (float)((xr[j] - m) * inv);
     }
 }
 """
@@ -71,13 +70,13 @@ extern "C" __global__ void sl_layernorm(const float* x, float* out, long long ro
 REDUCE_SUM_CUDA = BLOCK_REDUCE_CUDA + r"""
 extern "C" __global__ void sl_reduce_sum(const float* x, float* out, long long rows,
                                          long long cols) {
-    __shared__ float scratch[32];
+    __shared__ double scratch[32];
     for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
         const float* xr = x + r * cols;
-        float s = 0.0f;
+        double s = 0.0;
         for (long long j = threadIdx.x; j < cols; j += blockDim.x) s += xr[j];
         s = sl_block_sum(s, scratch);
-        if (threadIdx.x == 0) out[r] = s;
+        if (threadIdx.x == 0) out[r] = (float)s;
     }
 }
 """
@@ -109,32 +108,31 @@ def _rows_launch(ins: list[Shape], outs: list[Shape], p: Mapping[str, Any]) -> L
 def _layernorm_launch(ins: list[Shape], outs: list[Shape], p: Mapping[str, Any]) -> LaunchConfig:
     cfg = row_launch(ins[0])
     return LaunchConfig(cfg.grid, cfg.block, cfg.shared_mem,
-                        (*cfg.scalars, (p["eps"], c_float)))
+                        (*cfg.scalars, (p["eps"], c_double)))
 
 
-def _softmax32(x: np.ndarray) -> np.ndarray:
+def _softmax(x: np.ndarray) -> np.ndarray:
+    """Softmax, the sum in float64 (as the CUDA kernel); from float32 exponentials for a
+    float32 ``x``, so the twin rounds where the kernel does."""
     e = np.exp(x - x.max(axis=-1, keepdims=True))
-    return e / e.sum(axis=-1, keepdims=True)
-
-
-def _softmax64(x: np.ndarray) -> np.ndarray:
-    return _softmax32(f64(x))
+    return e / e.sum(axis=-1, keepdims=True, dtype=np.float64)
 
 
 def _layernorm(x: np.ndarray, eps: float) -> np.ndarray:
-    y = x - x[..., :1]  # relative to the row's first element, as the CUDA kernel
-    d = y - y.mean(axis=-1, keepdims=True)
+    """In float64, as the CUDA kernel (which reads float32 values into double)."""
+    x = f64(x)
+    d = x - x.mean(axis=-1, keepdims=True)
     var = (d * d).mean(axis=-1, keepdims=True)
-    return d / np.sqrt(var + x.dtype.type(eps))
+    return d / np.sqrt(var + eps)
 
 
 def _reduce_sum(x: np.ndarray, out_shape: tuple[int, ...]) -> np.ndarray:
-    return x.sum(axis=-1).reshape(out_shape)
+    return x.sum(axis=-1, dtype=np.float64).reshape(out_shape)
 
 
 def _softmax_host(ins: Sequence[np.ndarray], outs: Sequence[np.ndarray],
                   p: Mapping[str, Any]) -> None:
-    outs[0][...] = _softmax32(ins[0])
+    outs[0][...] = _softmax(ins[0])
 
 
 def _layernorm_host(ins: Sequence[np.ndarray], outs: Sequence[np.ndarray],
@@ -151,7 +149,7 @@ SOFTMAX = KernelSpec(
     name="softmax", n_in=1, n_out=1, source=SOFTMAX_CUDA, entry="sl_softmax",
     infer=_softmax_infer, configure=checked_configure("softmax", _softmax_infer, _rows_launch),
     host=_softmax_host,
-    reference=lambda ins, p: [_softmax64(ins[0])],
+    reference=lambda ins, p: [_softmax(f64(ins[0]))],
     doc="Softmax over the last axis (rank >= 1), max-subtracted.")
 
 LAYERNORM = KernelSpec(
@@ -159,7 +157,7 @@ LAYERNORM = KernelSpec(
     infer=_layernorm_infer,
     configure=checked_configure("layernorm", _layernorm_infer, _layernorm_launch),
     host=_layernorm_host,
-    reference=lambda ins, p: [_layernorm(f64(ins[0]), p["eps"])],
+    reference=lambda ins, p: [_layernorm(ins[0], p["eps"])],
     params={"eps": Param(float, 1e-5, minimum=0.0, maximum=1e30,
                          doc="added to the variance before the square root")},
     doc="(x - mean) / sqrt(var + eps) over the last axis; biased variance, no gamma/beta.")

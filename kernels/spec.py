@@ -141,3 +141,4 @@ c_int = ctypes.c_int
 c_longlong = ctypes.c_longlong
 c_ulonglong = ctypes.c_ulonglong
 c_float = ctypes.c_float
+c_double = ctypes.c_double

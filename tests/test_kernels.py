@@ -261,7 +261,8 @@ def test_params_defaults_and_coercion():
 
 # -- launch rules and CUDA signatures ----------------------------------------------------------
 _CTYPE_OF = {"long long": ctypes.c_longlong, "float": ctypes.c_float,
-             "unsigned long long": ctypes.c_ulonglong, "int": ctypes.c_int}
+             "double": ctypes.c_double, "unsigned long long": ctypes.c_ulonglong,
+             "int": ctypes.c_int}
 
 
 def _signature(spec) -> list[str]:

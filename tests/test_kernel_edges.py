@@ -1,0 +1,513 @@
+"""Kernel edge cases on every device (host everywhere, CUDA where a GPU is usable): the same
+result on both devices, close to the float64 reference, or the same typed streamlane error on
+both. The host twins run in numpy, which hides what a CUDA kernel cannot: long float32 running
+sums, misaligned or non-native memory, outputs overlapping inputs. Cases that could end a CUDA
+context (misaligned loads) run in a subprocess. Tests marked ``cuda`` need sizes a 2-core host
+cannot afford, or memory only a large GPU has.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+
+from streamlane.kernels import get_kernel
+from streamlane.runtime import (
+    DeviceError,
+    InvalidArgument,
+    InvalidProgram,
+    Program,
+)
+
+F32_MAX = float(np.finfo(np.float32).max)
+
+
+# -- helpers --------------------------------------------------------------------------------------
+def _launch(device, name, ins, params=None, out_shapes=None):
+    """Run one kernel through Device.launch; outputs start as NaN so unwritten ones show."""
+    spec = get_kernel(name)
+    s = device.per_thread_stream()
+    resolved = spec.resolve_params(params)
+    outs = out_shapes or spec.infer([a.shape for a in ins], resolved)
+    d_ins = [device.to_device(np.ascontiguousarray(a), s) for a in ins]
+    d_outs = [device.to_device(np.full(o, np.nan, np.float32), s) for o in outs]
+    device.launch(name, s, d_ins, d_outs, params)
+    return [device.to_host(o, s) for o in d_outs]
+
+
+def _reference(name, ins, params=None):
+    spec = get_kernel(name)
+    with np.errstate(all="ignore"):
+        return spec.reference([np.asarray(a, np.float64) for a in ins],
+                              spec.resolve_params(params))
+
+
+def _manifest(kernel, in_shapes, out_shape, params=None, dtype="float32"):
+    step = {"kernel": kernel, "in": [f"x{i}" for i in range(len(in_shapes))], "out": ["y"]}
+    if params:
+        step["params"] = params
+    return {"format": 1, "name": "edge", "methods": {"f": {
+        "inputs": [{"name": f"x{i}", "dtype": dtype, "shape": list(s)}
+                   for i, s in enumerate(in_shapes)],
+        "steps": [step],
+        "outputs": [{"name": "y", "dtype": "float32", "shape": list(out_shape)}]}}}
+
+
+def _run_method(device, kernel, ins, out_shape, params=None):
+    """Run one kernel as a program step (the path programs on disk take)."""
+    m = Program.from_manifest(_manifest(kernel, [a.shape for a in ins], out_shape, params)) \
+        .method("f", device=device)
+    return m(list(ins))[0].to_host()
+
+
+def rel_err(got, want, scale=None):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    denom = np.linalg.norm(want if scale is None else scale)
+    return float(np.linalg.norm(got - want) / max(denom, 1e-300))
+
+
+def _rng(seed=0):
+    return np.random.default_rng(seed)
+
+
+# == long rows: the row kernels' running sums ===================================================
+LONG_COLS = [1_000_000, pytest.param(10_000_000, marks=pytest.mark.cuda)]
+
+
+@pytest.mark.parametrize("cols", LONG_COLS)
+def test_reduce_sum_of_a_long_constant_row_keeps_float32_accuracy(device, cols):
+    """Each of a block's 256 threads adds cols/256 equal terms one after another: in float32
+    the rounding errors of such a running sum do not cancel (an emulation of that order gave
+    3.7e-5 at 1e6 columns, 3.7e-4 at 1e7); the kernels sum in double."""
+    x = np.full((1, cols), 0.1, np.float32)
+    got = _run_method(device, "reduce_sum", [x], (1,))
+    want = _reference("reduce_sum", [x])[0]
+    assert rel_err(got, want) <= 1e-5, rel_err(got, want)
+
+
+@pytest.mark.parametrize("cols", LONG_COLS)
+def test_softmax_of_a_long_row_keeps_float32_accuracy(device, cols):
+    """One element ln(10) above the others: every other exp is ~0.1, so the row sum is the
+    long constant sum above."""
+    x = np.zeros((1, cols), np.float32)
+    x[0, 0] = np.float32(math.log(10.0))
+    got = _run_method(device, "softmax", [x], x.shape)
+    want = _reference("softmax", [x])[0]
+    assert rel_err(got, want) <= 1e-5, rel_err(got, want)
+
+
+def test_layernorm_of_a_long_row_keeps_its_mean_accurate(device):
+    """Row [0, 0.1, 0.1, ...]: the mean's error (the long sum above) is magnified by 1/std
+    (3.7e-2 with float32 running sums)."""
+    x = np.full((1, 1_000_000), 0.1, np.float32)
+    x[0, 0] = 0.0
+    got = _run_method(device, "layernorm", [x], x.shape, {"eps": 1e-5})
+    want = _reference("layernorm", [x], {"eps": 1e-5})[0]
+    assert rel_err(got, want) <= 1e-5, rel_err(got, want)
+
+
+@pytest.mark.parametrize("name", ["reduce_sum", "softmax", "layernorm"])
+def test_long_random_rows_match_the_reference(device, name):
+    """Random rows (rounding errors of random sign), the common case."""
+    x = _rng(1).standard_normal((2, 1_000_003)).astype(np.float32)
+    (got,) = _launch(device, name, [x])
+    want = _reference(name, [x])[0]
+    scale = _reference(name, [np.abs(x)])[0] if name == "reduce_sum" else None
+    assert rel_err(got, want, scale) <= 1e-5
+
+
+# == axpy rounds once (fmaf on CUDA), on both devices ============================================
+@pytest.mark.parametrize(("alpha", "x", "y"), [
+    (3e38, 2.0, -3e38),                          # alpha*x overflows float32, alpha*x + y does not
+    (1 + 2**-12, 1 + 2**-12, -(1 + 2**-11)),     # the product's last bit is the whole answer
+], ids=["overflowing-product", "cancellation"])
+def test_axpy_is_one_fused_rounding(device, alpha, x, y):
+    """CUDA: out = fmaf(alpha, x, y), one rounding; the host twin rounds alpha*x first:
+    inf instead of 3e38, 0 instead of 2**-24. The reference agrees with CUDA."""
+    xs, ys = np.full(7, x, np.float32), np.full(7, y, np.float32)
+    (got,) = _launch(device, "axpy", [xs, ys], {"alpha": alpha})
+    fused = (np.float64(np.float32(alpha)) * xs.astype(np.float64) + ys).astype(np.float32)
+    want = _reference("axpy", [xs, ys], {"alpha": alpha})[0]
+    np.testing.assert_array_equal(got, fused)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+# == IEEE results under warnings-as-errors ========================================================
+WARNING_CASES = [
+    ("softmax", [np.full((2, 3), -np.inf, np.float32)], {}),              # -inf - -inf
+    ("layernorm", [np.full((2, 3), 5.0, np.float32)], {"eps": 0.0}),      # 0 / 0
+    ("gelu", [np.array([1e14, -1e14, 1.0], np.float32)], {}),             # K*x*x*x overflows
+    ("scale", [np.array([1e30, -2.0], np.float32)], {"factor": 1e30}),    # overflows
+]
+
+
+@pytest.mark.parametrize(("name", "ins", "params"), WARNING_CASES,
+                         ids=[c[0] for c in WARNING_CASES])
+def test_kernels_give_ieee_results_under_warnings_as_errors(device, name, ins, params):
+    """With RuntimeWarning turned into an error (python -W error, pytest -W error, an
+    application's simplefilter), a numpy RuntimeWarning inside a host twin would fault the host
+    device for good; CUDA returns the IEEE results (NaN, inf), and so must the host."""
+    spec = get_kernel(name)
+    resolved = spec.resolve_params(params)
+    want = [np.empty(o, np.float32) for o in spec.infer([a.shape for a in ins], resolved)]
+    with np.errstate(all="ignore"):
+        spec.host(ins, want, resolved)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            got = _launch(device, name, ins, params)
+    except DeviceError as exc:
+        if device.kind == "host":
+            device.reset_error()
+        pytest.fail(f"{name} faulted the {device.kind} device: {exc}")
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-6, equal_nan=True)
+
+
+# == strided_copy gathers reversed layouts on both devices =======================================
+def test_strided_copy_of_a_reversed_layout(device):
+    """A reversed (negative-stride) layout, as another library may hand one over: the CUDA
+    kernel gathers it, and so does the host twin (it used to fault the host device)."""
+    s = device.per_thread_stream()
+    src = np.arange(4, dtype=np.float32)
+    raw = device.to_device(src.view(np.uint8), s)
+    first = raw.buffer.view(np.uint8, (4,), raw.offset + 12)  # starts at src[3]
+    meta = device.to_device(np.array([4, -4], np.int64), s)
+    out = device.empty((16,), np.uint8)
+    p = device.prepare("strided_copy", [(4,), (2,)], [(16,)],
+                       {"n": 4, "rank": 1, "itemsize": 4}, dtype="uint8")
+    p.run(s, [first, meta], [out])
+    try:
+        got = device.to_host(out, s).view(np.float32)
+    except DeviceError as exc:
+        if device.kind == "host":
+            device.reset_error()
+        pytest.fail(f"strided_copy faulted the {device.kind} device: {exc}")
+    np.testing.assert_array_equal(got, src[::-1])
+
+
+def test_layernorm_of_rows_spread_beyond_1e19(device):
+    """In float32, d*d overflows once |x - mean| > 1.8e19: var = inf, 1/sqrt(var) = 0, and the
+    row came out all zeros; the reference gives values of order 1."""
+    x = np.array([[1e20, -1e20, 3e19, 0.0], [1.0, 2.0, 3.0, 4.0]], np.float32)
+    (got,) = _launch(device, "layernorm", [x], {"eps": 1e-5})
+    want = _reference("layernorm", [x], {"eps": 1e-5})[0]
+    assert rel_err(got, want) <= 1e-5, got
+
+
+# == layernorm's eps is a double, as in the reference ============================================
+def test_layernorm_eps_below_float32_subnormals(device):
+    """eps = 1e-50 is 0 as a float32: a constant row would give 0/0 = NaN, where the float64
+    reference gives 0."""
+    x = np.full((2, 5), 3.0, np.float32)
+    (got,) = _launch(device, "layernorm", [x], {"eps": 1e-50})
+    want = _reference("layernorm", [x], {"eps": 1e-50})[0]
+    np.testing.assert_array_equal(got, want)
+
+
+# == layernorm's precision: an outlier, a spread beyond float32's squares ========================
+@pytest.mark.parametrize("outlier", [1e4, 1e5])
+def test_layernorm_with_an_outlier_first_element(device, outlier):
+    """Centring on anything but the mean (the row's first element, as before) rounds at the
+    outlier's scale: the ordinary elements lost ~1e-4 of their scale."""
+    x = _rng(6).standard_normal((1, 4096)).astype(np.float32)
+    x[0, 0] = outlier
+    (got,) = _launch(device, "layernorm", [x], {"eps": 1e-5})
+    want = _reference("layernorm", [x], {"eps": 1e-5})[0]
+    rest = np.abs(got[0, 1:] - want[0, 1:]).max() / np.abs(want[0, 1:]).max()
+    assert rest <= 1e-5, rest
+
+
+# == one summation on both devices ===============================================================
+def test_reduce_sum_near_float32_overflow(device):
+    """[3e38, 3e38, -3e38]: a float32 sum left to right overflows (inf), the CUDA butterfly's
+    order does not; in double neither does, on both devices."""
+    x = np.array([[3e38, 3e38, -3e38]], np.float32)
+    with np.errstate(all="ignore"):
+        (got,) = _launch(device, "reduce_sum", [x])
+    want = _reference("reduce_sum", [x])[0]
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+# == relu(-0.0) ==============================================================================
+def test_relu_of_negative_zero_has_the_reference_sign(device):
+    """np.maximum(-0.0, 0.0) (host twin, reference) gives +0.0; so does the CUDA kernel (which
+    kept -0.0 with `v < 0 ? 0 : v`). Visible only through signbit, 1/x or copysign."""
+    x = np.array([-0.0, 0.0, -1.0, 1.0], np.float32)
+    (got,) = _launch(device, "relu", [x])
+    want = _reference("relu", [x])[0]
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+
+
+# == edge cases expected to agree on both devices ===============================================
+@pytest.mark.parametrize("cols", [1, 2, 31, 32, 33, 63, 255, 256, 257, 1023, 4097])
+@pytest.mark.parametrize("name", ["softmax", "layernorm", "reduce_sum"])
+def test_row_kernels_at_warp_and_block_boundaries(device, name, cols):
+    x = (_rng(cols).standard_normal((3, cols)) * 3).astype(np.float32)
+    (got,) = _launch(device, name, [x])
+    want = _reference(name, [x])[0]
+    scale = _reference(name, [np.abs(x)])[0] if name == "reduce_sum" else None
+    assert np.isfinite(got).all()
+    assert rel_err(got, want, scale) <= 1e-5
+
+
+@pytest.mark.parametrize("shape", [(100_000, 1), (70_001, 3), (65_536, 2), (2, 3, 65_537, 1)])
+@pytest.mark.parametrize("name", ["softmax", "layernorm", "reduce_sum"])
+def test_row_kernels_with_more_rows_than_the_grid(device, name, shape):
+    """rows > 65535: the grid-stride loop over rows must reach every row."""
+    x = _rng(5).standard_normal(shape).astype(np.float32)
+    (got,) = _launch(device, name, [x])
+    want = _reference(name, [x])[0]
+    scale = _reference(name, [np.abs(x)])[0] if name == "reduce_sum" else None
+    assert np.isfinite(got).all()
+    assert rel_err(got, want, scale) <= 1e-5
+
+
+def test_one_element_everywhere(device):
+    one = np.array([1.5], np.float32)
+    assert _launch(device, "softmax", [one])[0].tolist() == [1.0]
+    assert _launch(device, "layernorm", [one])[0].tolist() == [0.0]
+    assert _launch(device, "reduce_sum", [one])[0].tolist() == [1.5]
+    assert _launch(device, "matmul", [one.reshape(1, 1), np.array([[2.0]], np.float32)])[0] \
+        .tolist() == [[3.0]]
+    assert _launch(device, "gelu", [np.zeros(1, np.float32)])[0].tolist() == [0.0]
+
+
+SOFTMAX_SPECIAL = {
+    "all-minus-inf": [-np.inf] * 4,            # NaN everywhere (0/0), on all three
+    "minus-inf-and-finite": [-np.inf, 0.0, -np.inf, -1.0],
+    "plus-inf": [np.inf, 0.0, 1.0, 2.0],       # inf - inf: NaN everywhere
+    "nan": [np.nan, 0.0, 1.0, 2.0],            # fmaxf drops the NaN, the sum brings it back
+    "extremes": [F32_MAX, -F32_MAX, 0.0, F32_MAX],  # x - max overflows to -inf: exp gives 0
+    "huge-equal": [1e30, 1e30, 1e30, 1e30],
+    "single-inf": [np.inf],
+}
+
+
+@pytest.mark.parametrize("row", list(SOFTMAX_SPECIAL.values()), ids=list(SOFTMAX_SPECIAL))
+def test_softmax_of_special_rows(device, row):
+    x = np.array([row], np.float32)
+    with np.errstate(all="ignore"):
+        (got,) = _launch(device, "softmax", [x])
+    want = _reference("softmax", [x])[0]
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize(("row", "eps"), [
+    ([7.0], 1e-5), ([7.0, 7.0, 7.0], 0.0), ([1e4, 1e4 + 1, 1e4 + 2], 0.0),
+    ([1.0, 2.0, 3.0], 1e30), ([-np.inf, 0.0, 1.0], 1e-5), ([np.nan, 0.0], 1e-5),
+])
+def test_layernorm_special_rows_and_eps(device, row, eps):
+    x = np.array([row], np.float32)
+    with np.errstate(all="ignore"):
+        (got,) = _launch(device, "layernorm", [x], {"eps": eps})
+    want = _reference("layernorm", [x], {"eps": eps})[0]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-30, equal_nan=True)
+
+
+def test_gelu_special_values_and_negative_tail(device):
+    """Same tanh formula in CUDA, host twin and reference (gelu(-inf) is NaN in all three).
+    The negative tail 0.5x(1+tanh(u)) cancels: elementwise relative error reaches ~13 near
+    x = -5.4 and the output is 0 below (reference ~1e-8); the absolute error stays small."""
+    special = np.array([0.0, -0.0, 1e-30, -1e-30, np.inf, -np.inf, np.nan, 1e13, -1e13, 8.0,
+                        -8.0], np.float32)
+    with np.errstate(all="ignore"):
+        (got,) = _launch(device, "gelu", [special])
+    want = _reference("gelu", [special])[0]
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-36, equal_nan=True)
+    tail = np.linspace(-12, 4, 20001).astype(np.float32)
+    (got,) = _launch(device, "gelu", [tail])
+    want = _reference("gelu", [tail])[0]
+    neg = tail <= -2  # error ~ 0.5|x| * (a few ulps of tanh near -1), whatever the library
+    assert (np.abs(got[neg] - want[neg]) <= 1.5e-7 * np.abs(tail[neg])).all()
+    np.testing.assert_allclose(got[~neg], want[~neg], rtol=1e-5, atol=2e-7)
+
+
+@pytest.mark.parametrize(("m", "k", "n"), [
+    (1, 1000, 1), (33, 1, 65), (3, 100_003, 2), (17, 16, 15), (16, 17, 16),
+    (16 * 65535 + 17, 1, 1),   # tiles_m > 65535: grid.y is capped, the tile loop strides
+    (1, 1, 16 * 65535 + 17),   # tiles_n > 65535: same on grid.x
+])
+def test_matmul_shapes_and_grid_caps(device, m, k, n):
+    rng = _rng(m * 7 + n)
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    b = rng.standard_normal((k, n)).astype(np.float32)
+    (got,) = _launch(device, "matmul", [a, b])
+    want = a.astype(np.float64) @ b.astype(np.float64)
+    scale = np.abs(a.astype(np.float64)) @ np.abs(b.astype(np.float64))
+    assert np.isfinite(got).all()
+    assert rel_err(got, want, scale) <= 1e-4
+
+
+def test_matmul_inf_times_zero(device):
+    a = np.array([[np.inf, 1.0], [1.0, 1.0]], np.float32)
+    b = np.array([[0.0, 1.0], [1.0, 1.0]], np.float32)
+    (got,) = _launch(device, "matmul", [a, b])
+    with np.errstate(all="ignore"):
+        want = a.astype(np.float64) @ b.astype(np.float64)
+    np.testing.assert_array_equal(got, want.astype(np.float32))
+
+
+@pytest.mark.parametrize("name", ["fill", "scale", "axpy"])
+def test_float_params_at_the_float32_limits(device, name):
+    x = np.array([1.0, -1.0, 0.5], np.float32)
+    params = {"fill": {"value": -F32_MAX}, "scale": {"factor": F32_MAX},
+              "axpy": {"alpha": F32_MAX}}[name]
+    ins = {"fill": [], "scale": [x], "axpy": [x, np.zeros(3, np.float32)]}[name]
+    with np.errstate(all="ignore"):
+        (got,) = _launch(device, name, ins, params, out_shapes=[(3,)] if name == "fill" else None)
+    want = np.broadcast_to(_reference(name, ins, params)[0], (3,))
+    np.testing.assert_allclose(got, want, rtol=1e-7)
+    for bad in (3.5e38, float("inf"), float("nan")):
+        key = next(iter(params))
+        with pytest.raises(InvalidArgument):
+            device.prepare(name, [a.shape for a in ins], [(3,)], {key: bad})
+
+
+# -- dtypes, zero sizes, params: the same typed error on both devices ----------------------------
+@pytest.mark.parametrize("dtype", ["float16", "float64", "int32", "uint8", "bfloat16"])
+def test_launch_refuses_dtypes_no_source_was_written_for(device, dtype):
+    from streamlane.runtime.dtypes import dtype_from_name
+
+    s = device.per_thread_stream()
+    dt = dtype_from_name(dtype)
+    x = device.to_device(np.ones(4, dt), s)
+    y = device.empty((4,), dt)
+    with pytest.raises(InvalidArgument, match="float32"):
+        device.launch("relu", s, [x], [y])
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float64", "int32"])
+def test_programs_refuse_dtypes_kernels_do_not_take(device, dtype):
+    with pytest.raises(InvalidProgram) as info:
+        Program.from_manifest(_manifest("relu", [(4,)], (4,), dtype=dtype)).method(
+            "f", device=device)
+    assert info.value.path == "methods.f.steps[0].in[0]"
+
+
+def test_zero_sizes_are_refused_on_both_devices(device):
+    with pytest.raises(InvalidArgument):
+        device.to_device(np.zeros((0, 3), np.float32), device.per_thread_stream())
+    for name, shapes in (("add", [(0,), (0,)]), ("matmul", [(3, 0), (0, 4)]),
+                         ("softmax", [(4, 0)]), ("reduce_sum", [(0,)])):
+        with pytest.raises(InvalidArgument):
+            device.prepare(name, shapes)
+    with pytest.raises(InvalidProgram) as info:
+        Program.from_manifest(_manifest("relu", [(4, 0)], (4, 0)))
+    assert info.value.path == "methods.f.inputs[0].shape[1]"
+
+
+@pytest.mark.parametrize(("kernel", "params", "where"), [
+    ("spin", {"us": -1}, "params.us"), ("spin", {"us": 10_000_001}, "params.us"),
+    ("spin", {"us": 1.5}, "params.us"), ("layernorm", {"eps": -1e-9}, "params.eps"),
+    ("scale", {"factor": 1e39}, "params.factor"), ("axpy", {"alpha": "2"}, "params.alpha"),
+])
+def test_bad_params_are_typed_errors_at_bind_time(device, kernel, params, where):
+    spec = get_kernel(kernel)
+    shapes = [(4,)] * spec.n_in
+    with pytest.raises(InvalidArgument):
+        device.prepare(kernel, shapes, None, params)
+    doc = _manifest(kernel, shapes, (4,), params)
+    if spec.n_out == 0:
+        doc["methods"]["f"]["steps"][0]["out"] = []
+        doc["methods"]["f"]["steps"].append({"kernel": "fill", "in": [], "out": ["y"]})
+    with pytest.raises(InvalidProgram) as info:
+        Program.from_manifest(doc)
+    assert info.value.path == f"methods.f.steps[0].{where}"
+
+
+def test_latch_is_not_a_program_kernel(device):
+    doc = _manifest("fill", [], (4,))
+    doc["methods"]["f"]["steps"].insert(0, {"kernel": "latch", "in": [], "out": [],
+                                            "params": {"flag_ptr": 1}})
+    with pytest.raises(InvalidProgram) as info:
+        Program.from_manifest(doc)
+    assert info.value.path == "methods.f.steps[0].kernel"
+
+
+def test_spin_of_zero_microseconds_runs(device):
+    doc = _manifest("fill", [], (4,), {"value": 2.0})
+    doc["methods"]["f"]["steps"].insert(0, {"kernel": "spin", "in": [], "out": [],
+                                            "params": {"us": 0}})
+    m = Program.from_manifest(doc).method("f", device=device)
+    assert m([])[0].to_host().tolist() == [2.0] * 4
+
+
+# -- GPU-only: sizes past the grid cap and past 2**31 elements ------------------------------------
+@pytest.mark.cuda
+def test_elementwise_past_the_grid_cap(cuda_device):
+    """n > 65535 blocks x 256 threads: every element is reached by the grid-stride loop."""
+    n = 65535 * 256 * 2 + 3
+    rng = _rng(9)
+    a, b = rng.standard_normal(n, dtype=np.float32), rng.standard_normal(n, dtype=np.float32)
+    (got,) = _launch(cuda_device, "add", [a, b])
+    np.testing.assert_array_equal(got, a + b)
+    (got,) = _launch(cuda_device, "gelu", [a])
+    tail = slice(n - 1_000_000, n)  # the float64 reference of all 33M elements is slow
+    assert rel_err(got[tail], _reference("gelu", [a[tail]])[0]) <= 1e-6
+
+
+def _need_memory(dev, gib):
+    if dev.total_memory < gib << 30:
+        pytest.skip(f"needs {gib} GiB of device memory")
+
+
+def _tail(dev, array, count):
+    """The last ``count`` elements of ``array`` copied back (not the whole 8 GiB)."""
+    view = array.buffer.view(np.float32, (count,), array.offset + array.nbytes - 4 * count)
+    return dev.to_host(view, dev.per_thread_stream())
+
+
+@pytest.mark.cuda
+def test_row_kernels_past_2_31_elements(cuda_device):
+    """2**21 + 1 rows of 1024: the last row starts at element 2**31 (r * cols overflows an
+    int). Filled on the device; only the tails travel back."""
+    dev = cuda_device
+    _need_memory(dev, 40)
+    s = dev.per_thread_stream()
+    rows, cols = 2**21 + 1, 1024
+    x = dev.empty((rows, cols), np.float32)
+    dev.launch("fill", s, [], [x], {"value": 1.0})
+    assert (_tail(dev, x, 2 * cols) == 1.0).all()
+    sums = dev.empty((rows,), np.float32)
+    dev.launch("reduce_sum", s, [x], [sums])
+    assert (dev.to_host(sums, s) == cols).all()
+    dev.launch("softmax", s, [x], [x])  # in place: documented safe
+    assert (_tail(dev, x, 2 * cols) == np.float32(1 / cols)).all()
+    dev.launch("layernorm", s, [x], [x], {"eps": 1e-5})
+    assert (_tail(dev, x, 2 * cols) == 0.0).all()
+    x.buffer.free(s)
+
+
+@pytest.mark.cuda
+def test_matmul_past_2_31_elements(cuda_device):
+    """a is 65537 x 32768 (2**31 + 32768 elements): row * k overflows an int at the last row."""
+    dev = cuda_device
+    _need_memory(dev, 24)
+    s = dev.per_thread_stream()
+    m, k = 65537, 32768
+    a, b, c = dev.empty((m, k), np.float32), dev.empty((k, 1), np.float32), \
+        dev.empty((m, 1), np.float32)
+    dev.launch("fill", s, [], [a], {"value": 1.0})
+    dev.launch("fill", s, [], [b], {"value": 1.0})
+    dev.launch("matmul", s, [a, b], [c])
+    assert (dev.to_host(c, s) == k).all()
+    a.buffer.free(s)
+
+
+@pytest.mark.cuda
+def test_elementwise_past_2_31_elements(cuda_device):
+    dev = cuda_device
+    _need_memory(dev, 40)
+    s = dev.per_thread_stream()
+    x = dev.empty((2**21 + 1, 1024), np.float32)
+    y = dev.empty((2**21 + 1, 1024), np.float32)
+    dev.launch("fill", s, [], [x], {"value": -3.0})
+    dev.launch("scale", s, [x], [y], {"factor": -2.0})
+    dev.launch("axpy", s, [x, y], [y], {"alpha": 2.0})  # in place on y: -6 + 6 = 0
+    assert (_tail(dev, y, 4096) == 0.0).all()
+    x.buffer.free(s)
+    y.buffer.free(s)
