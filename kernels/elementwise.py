@@ -59,7 +59,7 @@ def _elementwise(name: str, ins: Sequence[str], body: str, host: HostFn, referen
     return KernelSpec(
         name=name, n_in=len(ins), n_out=1, source=_source(entry, ins, body, tuple(params)),
         entry=entry, infer=infer, configure=checked_configure(name, infer, launch),
-        host=host, reference=reference, params=params, doc=doc)
+        host=host, reference=reference, params=params, in_place=True, doc=doc)
 
 
 # -- fill: no inputs, so any output shape ------------------------------------------------------

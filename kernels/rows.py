@@ -4,7 +4,8 @@ A tensor of any rank >= 1 is seen as ``rows x cols`` (cols = last axis). One blo
 row (grid-stride over rows past 65535) and combines its threads' partial results with the
 block reductions of ``_common.BLOCK_REDUCE_CUDA``, summing in double. Signature: ``(x, out,
 long long rows, long long cols[, double eps])``. Each row kernel reads a row only after the
-previous block reduction finished, so in-place use (out == x) is safe too.
+previous block reduction finished, so softmax and layernorm may write over their input
+(out == x, exactly); reduce_sum's output may not overlap its input (``KernelSpec.in_place``).
 """
 
 from __future__ import annotations
@@ -148,7 +149,7 @@ def _reduce_sum_host(ins: Sequence[np.ndarray], outs: Sequence[np.ndarray],
 SOFTMAX = KernelSpec(
     name="softmax", n_in=1, n_out=1, source=SOFTMAX_CUDA, entry="sl_softmax",
     infer=_softmax_infer, configure=checked_configure("softmax", _softmax_infer, _rows_launch),
-    host=_softmax_host,
+    host=_softmax_host, in_place=True,
     reference=lambda ins, p: [_softmax(f64(ins[0]))],
     doc="Softmax over the last axis (rank >= 1), max-subtracted.")
 
@@ -156,7 +157,7 @@ LAYERNORM = KernelSpec(
     name="layernorm", n_in=1, n_out=1, source=LAYERNORM_CUDA, entry="sl_layernorm",
     infer=_layernorm_infer,
     configure=checked_configure("layernorm", _layernorm_infer, _layernorm_launch),
-    host=_layernorm_host,
+    host=_layernorm_host, in_place=True,
     reference=lambda ins, p: [_layernorm(ins[0], p["eps"])],
     params={"eps": Param(float, 1e-5, minimum=0.0, maximum=1e30,
                          doc="added to the variance before the square root")},

@@ -94,6 +94,9 @@ class KernelSpec:
     params: Mapping[str, Param] = field(default_factory=dict)
     dtypes: tuple[str, ...] = ("float32",)
     in_programs: bool = True  # False for kernels that need a host-side object (latch)
+    # Whether an output may be exactly one of the inputs (same memory): every element is
+    # written only by the thread that read what it needs of it, after reading it.
+    in_place: bool = False
     doc: str = ""
 
     def resolve_params(self, given: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -53,6 +53,11 @@ class PreparedLaunch:
     function: Any  # the backend's loaded kernel
 
     def run(self, stream: Stream, ins: Sequence[DeviceArray], outs: Sequence[DeviceArray]) -> None:
+        """Enqueue the launch on ``stream``, after checking what the kernel will read: arrays
+        in native byte order, aligned to their elements (a misaligned load is a CUDA fault),
+        and outputs that overlap no other argument (``KernelSpec.in_place`` allows an output
+        to be exactly an input)."""
+        _check_memory(self.spec, ins, outs)
         self.device._launch(self, stream._usable(), ins, outs)
 
     def bind(self) -> Callable[[Stream, Sequence[DeviceArray], Sequence[DeviceArray]], None]:
@@ -486,3 +491,34 @@ def get_device(name: str | None = None) -> Device:
                 dev = CudaDevice(int(idx))
             _devices[key] = dev
     return dev
+
+
+
+def _check_memory(spec: KernelSpec, ins: Sequence[DeviceArray],
+                  outs: Sequence[DeviceArray]) -> None:
+    """``PreparedLaunch.run``'s checks (a method's steps, bound, skip them: its buffers are
+    its own, and another library's arrays are checked as inputs)."""
+    kernel = spec.name
+    for i, a in enumerate((*ins, *outs)):
+        if not a.dtype.isnative:  # the kernel would read the bytes as native values
+            raise InvalidArgument(
+                f"argument {i} of {kernel} is {a.dtype.str}, not in this machine's byte order; "
+                f"copy it as array.astype({a.dtype.newbyteorder('=').str!r}) first")
+        if a.ptr % a.dtype.itemsize:
+            raise InvalidArgument(
+                f"argument {i} of {kernel} starts at {a.ptr:#x}, not aligned to its "
+                f"{a.dtype.itemsize}-byte elements; view the buffer at a multiple of "
+                f"{a.dtype.itemsize} bytes")
+    for j, out in enumerate(outs):
+        for i, other in enumerate((*ins, *outs[:j])):
+            if other.ptr < out.ptr + out.nbytes and out.ptr < other.ptr + other.nbytes:
+                same = (other.ptr, other.nbytes) == (out.ptr, out.nbytes)
+                if same and spec.in_place and i < len(ins):
+                    continue
+                what = "an input" if i < len(ins) else "another output"
+                rule = "may write over an input only where it is exactly that input" if \
+                    spec.in_place and i < len(ins) else "cannot write over memory it also uses"
+                raise InvalidArgument(
+                    f"argument {len(ins) + j} of {kernel} (an output) "
+                    f"{'is the same memory as' if same else 'overlaps'} argument {i} ({what}); "
+                    f"{kernel} {rule}: give the output separate memory")

@@ -262,8 +262,15 @@ class Method:
             if len(strides) != len(got_shape):
                 raise InvalidInput(self.name, index, expected,
                                    f"{len(strides)} strides for {len(got_shape)} dimensions")
-            if strides == _contiguous_strides(got_shape, dtype):
-                strides = None
+        # A load of a misaligned element is a CUDA fault that ends the context (and with it
+        # every other library's work in this process): refused before anything is enqueued.
+        if ptr % dtype.itemsize or any(s % dtype.itemsize for s in strides or ()):
+            raise InvalidInput(self.name, index, expected,
+                               f"memory not aligned to its {dtype.itemsize}-byte elements "
+                               f"(pointer {ptr:#x}, strides {strides})",
+                               "copy it into a freshly allocated array first")
+        if strides is not None and strides == _contiguous_strides(got_shape, dtype):
+            strides = None
         if strides is None:
             nbytes = max(1, int(np.prod(got_shape)) * dtype.itemsize)
             array = DeviceArray(Buffer.borrowed(self.device, ptr, nbytes), want, got_shape)
