@@ -123,8 +123,9 @@ def f64(a: Any) -> np.ndarray:
 # back-to-back reductions safe: no warp overwrites scratch while another still reads it.
 # Sums are in double: each thread adds cols / blockDim terms one after another, and in float32
 # that running sum's error grows with the row (a row of 1e6 x 0.1 summed to 3.7e-5 relative,
-# where numpy's pairwise float32 sum is within 1e-7); the row kernels are bound by memory, and
-# the double adds cost nothing measurable beside the loads.
+# where numpy's pairwise float32 sum is within 1e-7). The cost, H200 (bench/results/
+# rows-probe-cuda.txt): 2-6% on long rows, 3-23% on rows of 4096, up to 1.5x on rows of 64,
+# where the block reduction (twice the shuffles in double) is most of the work.
 BLOCK_REDUCE_CUDA = r"""
 __device__ __forceinline__ double sl_warp_sum(double v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
