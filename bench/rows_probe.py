@@ -25,7 +25,8 @@ from streamlane.runtime import get_device
 
 SOURCES = {"reduce_sum": "REDUCE_SUM_CUDA", "softmax": "SOFTMAX_CUDA",
            "layernorm": "LAYERNORM_CUDA"}
-SHAPES = ((8192, 4096), (64, 1_000_000), (1_000_000, 64), (4, 16_000_000))
+SHAPES = ((8192, 4096), (64, 1_000_000), (1_000_000, 64), (4, 16_000_000), (262_144, 256),
+          (65_536, 1024), (4_000_000, 8))
 
 
 def extract(commit: str) -> dict[str, str]:
@@ -37,17 +38,26 @@ def extract(commit: str) -> dict[str, str]:
                                  re.S).group(1) for n, var in SOURCES.items()}
 
 
+def _block_per_row(c: LaunchConfig, float_eps: bool) -> LaunchConfig:
+    """The launch the sources before the warp-per-row rule expect: a block of up to 256
+    threads per row, the row index from blockIdx.x alone."""
+    (rows, _), (cols, _) = c.scalars[:2]
+    threads = min(256, max(32, 1 << (cols - 1).bit_length()))
+    scalars = tuple((v, c_float if float_eps and t is c_double else t) for v, t in c.scalars)
+    return LaunchConfig((min(rows, 65535), 1, 1), (threads, 1, 1), c.shared_mem, scalars)
+
+
 def register_old(old: dict[str, str]) -> None:
-    """Register the old sources as ``<name>_old`` (an eps declared ``float`` gets one)."""
+    """Register the old sources as ``<name>_old``, launched one block per row as they expect
+    (an eps they declare ``float`` gets a float)."""
     table = dict(library.KERNELS)
     for name, source in old.items():
         spec = get_kernel(name)
-        configure = spec.configure
-        if re.search(r"\bfloat eps\b", source):
-            def configure(i, o, p, _c=spec.configure):
-                c = _c(i, o, p)
-                scalars = tuple((v, c_float if t is c_double else t) for v, t in c.scalars)
-                return LaunchConfig(c.grid, c.block, c.shared_mem, scalars)
+        float_eps = re.search(r"\bfloat eps\b", source) is not None
+
+        def configure(i, o, p, _c=spec.configure, _f=float_eps):
+            return _block_per_row(_c(i, o, p), _f)
+
         table[f"{name}_old"] = dataclasses.replace(spec, name=f"{name}_old", source=source,
                                                    configure=configure)
     library.KERNELS = types.MappingProxyType(table)

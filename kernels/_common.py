@@ -102,15 +102,23 @@ def rows_cols(shape: Shape) -> tuple[int, int]:
     return math.prod(shape[:-1]), shape[-1]
 
 
-def row_launch(shape: Shape) -> LaunchConfig:
-    """One block per row (grid-stride over rows past ``MAX_GRID``), scalars (rows, cols).
+# Rows up to this long get one warp each (WARP_ROWS_PER_BLOCK rows per block): a block per
+# short row spends most of its time in the block reduction's barriers.
+WARP_ROW_COLS = 256
+WARP_ROWS_PER_BLOCK = 8
 
-    The block is a power of two between 32 and 256 threads: a whole number of warps (the block
-    reductions shuffle across full warps) and no more threads than a short row can use.
-    """
+
+def row_launch(shape: Shape) -> LaunchConfig:
+    """The launch of a row kernel, scalars (rows, cols): a warp per row for rows of up to
+    ``WARP_ROW_COLS`` (block 32 x ``WARP_ROWS_PER_BLOCK``), else a block of 256 threads per
+    row (whole warps, as the block reductions need); grid-stride over rows past the grid."""
     rows, cols = rows_cols(shape)
-    threads = min(256, max(32, 1 << (cols - 1).bit_length()))
-    return LaunchConfig(grid=(min(rows, MAX_GRID), 1, 1), block=(threads, 1, 1),
+    if cols <= WARP_ROW_COLS:
+        blocks = -(-rows // WARP_ROWS_PER_BLOCK)
+        block = (32, WARP_ROWS_PER_BLOCK, 1)
+    else:
+        blocks, block = rows, (256, 1, 1)
+    return LaunchConfig(grid=(min(blocks, MAX_GRID), 1, 1), block=block,
                         scalars=((rows, c_longlong), (cols, c_longlong)))
 
 
@@ -123,10 +131,16 @@ def f64(a: Any) -> np.ndarray:
 # back-to-back reductions safe: no warp overwrites scratch while another still reads it.
 # Sums are in double: each thread adds cols / blockDim terms one after another, and in float32
 # that running sum's error grows with the row (a row of 1e6 x 0.1 summed to 3.7e-5 relative,
-# where numpy's pairwise float32 sum is within 1e-7). The cost, H200 (bench/results/
-# rows-probe-cuda.txt): 2-6% on long rows, 3-23% on rows of 4096, up to 1.5x on rows of 64,
-# where the block reduction (twice the shuffles in double) is most of the work.
+# where numpy's pairwise float32 sum is within 1e-7). Against the float32 version, H200
+# (bench/results/rows-probe-cuda.txt, second run): 0-5% slower on rows of 1e6 and more, 1-15%
+# at 8192 x 4096, 7-30% at 65536 x 1024 (layernorm the most: three passes in double), and
+# 0.59-0.87x on short rows, which now get a warp each.
 BLOCK_REDUCE_CUDA = r"""
+// Rows: a block per row (blockDim.y == 1), or a warp per row (blockDim.x == 32, a row per
+// threadIdx.y). A warp's reductions stay within the warp: no barrier, so the warps of a block
+// may loop over different numbers of rows.
+#define SL_FIRST_ROW ((long long)blockIdx.x * blockDim.y + threadIdx.y)
+#define SL_ROW_STRIDE ((long long)gridDim.x * blockDim.y)
 __device__ __forceinline__ double sl_warp_sum(double v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
@@ -137,6 +151,7 @@ __device__ __forceinline__ float sl_warp_max(float v) {
 }
 // blockDim.x must be a multiple of 32 (at most 1024); scratch holds 32 doubles.
 __device__ double sl_block_sum(double v, double* scratch) {
+    if (blockDim.x == 32) return sl_warp_sum(v);  // a warp per row
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     v = sl_warp_sum(v);
     __syncthreads();
@@ -146,6 +161,7 @@ __device__ double sl_block_sum(double v, double* scratch) {
 }
 // scratch holds 32 floats (a double scratch serves, through a cast).
 __device__ float sl_block_max(float v, float* scratch) {
+    if (blockDim.x == 32) return sl_warp_max(v);  // a warp per row
     const float neg_inf = __int_as_float(0xff800000);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     v = sl_warp_max(v);

@@ -1,8 +1,9 @@
 """Row kernels over the last axis: softmax, layernorm, reduce_sum.
 
 A tensor of any rank >= 1 is seen as ``rows x cols`` (cols = last axis). One block handles one
-row (grid-stride over rows past 65535) and combines its threads' partial results with the
-block reductions of ``_common.BLOCK_REDUCE_CUDA``, summing in double. Signature: ``(x, out,
+row, or for short rows one warp does (``_common.row_launch``), with a grid-stride loop over
+rows; its threads' partial results are combined by the reductions of
+``_common.BLOCK_REDUCE_CUDA``, summing in double. Signature: ``(x, out,
 long long rows, long long cols[, double eps])``. Each row kernel reads a row only after the
 previous block reduction finished, so softmax and layernorm may write over their input
 (out == x, exactly); reduce_sum's output may not overlap its input (``KernelSpec.in_place``).
@@ -24,7 +25,7 @@ SOFTMAX_CUDA = BLOCK_REDUCE_CUDA + r"""
 // rounded once to float32; a double division per element took 1.23x the kernel's time).
 extern "C" __global__ void sl_softmax(const float* x, float* out, long long rows, long long cols) {
     __shared__ double scratch[32];
-    for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
+    for (long long r = SL_FIRST_ROW; r < rows; r += SL_ROW_STRIDE) {
         const float* xr = x + r * cols;
         float* yr = out + r * cols;
         float mx = __int_as_float(0xff800000);
@@ -50,7 +51,7 @@ LAYERNORM_CUDA = BLOCK_REDUCE_CUDA + r"""
 extern "C" __global__ void sl_layernorm(const float* x, float* out, long long rows, long long cols,
                                         double eps) {
     __shared__ double scratch[32];
-    for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
+    for (long long r = SL_FIRST_ROW; r < rows; r += SL_ROW_STRIDE) {
         const float* xr = x + r * cols;
         float* yr = out + r * cols;
         double s = 0.0;
@@ -73,7 +74,7 @@ REDUCE_SUM_CUDA = BLOCK_REDUCE_CUDA + r"""
 extern "C" __global__ void sl_reduce_sum(const float* x, float* out, long long rows,
                                          long long cols) {
     __shared__ double scratch[32];
-    for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
+    for (long long r = SL_FIRST_ROW; r < rows; r += SL_ROW_STRIDE) {
         const float* xr = x + r * cols;
         double s = 0.0;
         for (long long j = threadIdx.x; j < cols; j += blockDim.x) s += xr[j];

@@ -369,10 +369,12 @@ def test_row_kernels_at_warp_and_block_boundaries(device, name, cols):
     assert rel_err(got, want, scale) <= 1e-5
 
 
-@pytest.mark.parametrize("shape", [(100_000, 1), (70_001, 3), (65_536, 2), (2, 3, 65_537, 1)])
+@pytest.mark.parametrize("shape", [(100_000, 1), (70_001, 3), (65_536, 2), (2, 3, 65_537, 1),
+                                   (600_001, 2), (70_001, 300)])
 @pytest.mark.parametrize("name", ["softmax", "layernorm", "reduce_sum"])
 def test_row_kernels_with_more_rows_than_the_grid(device, name, shape):
-    """rows > 65535: the grid-stride loop over rows must reach every row."""
+    """More rows than blocks (65535, and 65535 x 8 for the short rows a warp each handles):
+    the grid-stride loop over rows must reach every row."""
     x = _rng(5).standard_normal(shape).astype(np.float32)
     (got,) = _launch(device, name, [x])
     want = _reference(name, [x])[0]

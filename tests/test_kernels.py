@@ -315,6 +315,21 @@ def test_launch_dims_stay_in_cuda_limits(name, ins, outs):
         assert cfg.block[0] % 32 == 0  # the block reductions shuffle across whole warps
 
 
+@pytest.mark.parametrize("name", ROWS)
+def test_row_kernels_give_short_rows_a_warp_and_long_rows_a_block(name):
+    spec = K.get_kernel(name)
+
+    def cfg(shape):
+        outs = spec.infer([shape], spec.resolve_params({}))
+        return spec.configure([shape], outs, spec.resolve_params({}))
+
+    assert cfg((1000, 64)).block == (32, 8, 1) and cfg((1000, 64)).grid == (125, 1, 1)
+    assert cfg((3, 1001, 256)).grid == (376, 1, 1)  # 3003 rows of 256: a warp each
+    assert cfg((10, 257)).block == (256, 1, 1) and cfg((10, 257)).grid == (10, 1, 1)
+    assert cfg((10**6, 3)).grid == (65535, 1, 1)  # the rest by the grid-stride loop
+    assert cfg((10**6, 3)).scalars[:2] == ((10**6, ctypes.c_longlong), (3, ctypes.c_longlong))
+
+
 def test_control_kernels_launch_one_thread():
     spin = K.get_kernel("spin")
     cfg = spin.configure([], [], spin.resolve_params({"us": 25}))
