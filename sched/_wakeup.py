@@ -11,8 +11,12 @@ Guarantees:
 - callbacks run on the loop thread, in the order they were posted;
 - once the loop is gone (closed, or the trio run finished), ``post`` drops callbacks silently, as
   anyio's worker threads do;
-- a callback that raises is reported through ``sys.unraisablehook`` and does not stop the batch
-  (trio would otherwise crash the whole run from a ``run_sync_soon`` callback).
+- a callback that raises an ``Exception`` is reported (asyncio: the loop's exception handler;
+  trio: ``sys.excepthook``) and does not stop the batch (trio would otherwise crash the whole
+  run from a ``run_sync_soon`` callback);
+- ``KeyboardInterrupt`` and ``SystemExit`` (a signal handler's ``sys.exit``, say) are never
+  swallowed: they propagate to the loop as its own callbacks' do, and the callbacks after them
+  are posted again first, so no job's completion is lost (asyncio's exit runs them).
 
 ``call_soon`` is the loop thread's own, cheaper way to run a callback at the loop's next turn
 (asyncio: ``loop.call_soon``, ~1 us; trio: a system task rescheduled, ~3 us, where
@@ -23,7 +27,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from streamlane.runtime.errors import NotSupported
@@ -34,8 +38,8 @@ __all__ = ["LoopWaker"]
 class LoopWaker:
     """Created on the loop thread, inside a running asyncio or trio loop."""
 
-    __slots__ = ("_call_soon", "_closed_errors", "_lock", "_loop_soon", "_pending", "_scheduled",
-                 "_soon", "_soon_closing", "_soon_running", "_soon_task", "backend",
+    __slots__ = ("_call_soon", "_closed_errors", "_lock", "_loop", "_loop_soon", "_pending",
+                 "_scheduled", "_soon", "_soon_closing", "_soon_running", "_soon_task", "backend",
                  "loop_thread")
 
     def __init__(self) -> None:
@@ -43,13 +47,14 @@ class LoopWaker:
         if self.backend == "asyncio":
             import asyncio
 
-            loop = asyncio.get_running_loop()
+            loop = self._loop = asyncio.get_running_loop()
             self._call_soon = loop.call_soon_threadsafe
             self._loop_soon: Callable[[Callable[[], object]], object] = loop.call_soon
             self._closed_errors: tuple[type[BaseException], ...] = (RuntimeError,)
         elif self.backend == "trio":
             import trio
 
+            self._loop = None
             self._call_soon = trio.lowlevel.current_trio_token().run_sync_soon
             self._loop_soon = self._trio_soon
             self._closed_errors = (trio.RunFinishedError,)
@@ -119,11 +124,7 @@ class LoopWaker:
         try:
             while True:
                 batch, self._soon = self._soon, []
-                for callback in batch:
-                    try:
-                        callback()
-                    except BaseException as exc:
-                        sys.unraisablehook(_Unraisable(exc, callback))
+                self._run(batch, self._requeue_soon)
                 if self._soon:
                     continue
                 if self._soon_closing:
@@ -137,11 +138,51 @@ class LoopWaker:
         with self._lock:
             batch, self._pending = self._pending, []
             self._scheduled = False
-        for callback in batch:
-            try:
-                callback()
-            except BaseException as exc:
-                sys.unraisablehook(_Unraisable(exc, callback))
+        self._run(batch, self._repost)
+
+    def _run(self, batch: list[Callable[[], object]],
+             requeue: Callable[[Sequence[Callable[[], object]]], None]) -> None:
+        """Run ``batch`` in order. An ``Exception`` is reported and the batch goes on; anything
+        else (KeyboardInterrupt, SystemExit) propagates once the callbacks not yet run are
+        queued again (``requeue``), whether it came from a callback or between two."""
+        done = 0  # callbacks called, whether they returned or raised
+        try:
+            for callback in batch:
+                try:
+                    callback()
+                except Exception as exc:
+                    self._report(exc, callback)
+                finally:
+                    done += 1
+        finally:
+            if done < len(batch):
+                requeue(batch[done:])
+
+    def _repost(self, callbacks: Sequence[Callable[[], object]]) -> None:
+        with self._lock:
+            self._pending[:0] = callbacks
+            if self._scheduled:
+                return
+            self._scheduled = True
+        try:
+            self._call_soon(self._drain)
+        except self._closed_errors:
+            with self._lock:
+                self._pending.clear()
+                self._scheduled = False
+
+    def _requeue_soon(self, callbacks: Sequence[Callable[[], object]]) -> None:
+        self._soon[:0] = callbacks
+
+    def _report(self, exc: Exception, callback: Callable[[], object]) -> None:
+        """A failing callback, reported where the loop reports its own (it is a streamlane
+        bug: every callback is the scheduler's)."""
+        message = f"Exception in a streamlane scheduler callback {callback!r}"
+        if self._loop is not None:
+            self._loop.call_exception_handler({"message": message, "exception": exc})
+        else:
+            print(message, file=sys.stderr)
+            sys.excepthook(type(exc), exc, exc.__traceback__)
 
 
 def current_async_library() -> str:
@@ -152,14 +193,3 @@ def current_async_library() -> str:
     except ImportError:
         return "asyncio"
     return sniffio.current_async_library()
-
-
-class _Unraisable:
-    """The shape ``sys.unraisablehook`` expects."""
-
-    def __init__(self, exc: BaseException, obj: object):
-        self.exc_type = type(exc)
-        self.exc_value = exc
-        self.exc_traceback = exc.__traceback__
-        self.err_msg = "Exception in a streamlane scheduler callback"
-        self.object = obj

@@ -119,6 +119,7 @@ class Job:
         "_inputs",
         "_is_published",
         "_loop_owned",
+        "_not_run_state",
         "_parked",
         "_publish_event",
         "_retrieved",
@@ -152,6 +153,7 @@ class Job:
         self._start_event: Event | None = None  # timing=True: the lane's to reuse once read
         self._stream_key: Any = None
         self._enqueue_error: BaseException | None = None
+        self._not_run_state = ""  # with _enqueue_error: how it settles (failed or cancelled)
         self._calls = 0  # driver calls it queues on the device, about (set by the scheduler)
         self._claimed = False  # settled by a thread of its lane (or the loop: Lane.poll)
         self._loop_owned = False  # kept by the loop for its poll, not yet given to the waiter

@@ -455,6 +455,7 @@ class Lane:
         with self._lock:
             self._queued -= 1
             self._completed += 1
+        job._not_run_state = state
         job._publish(None, None, error)
         self._core.waker.post(_Call(self._core.finish, job, state, error))
 

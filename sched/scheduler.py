@@ -78,6 +78,9 @@ _NEW, _OPEN, _CLOSING, _CLOSED = "new", "open", "closing", "closed"
 # which a yield every 0.1 ms would cost 3-4 us per await (H200, bench/NOTES.md).
 YIELD_EVERY_S = 0.0005
 YIELD_SHARED_S = 0.0001
+# Leaving the scheduler waits for each pending job's settle; one not settled within this long
+# is looked at directly, in case its settle callback was lost (``Scheduler._recover``).
+_RECOVER_AFTER_S = 0.1
 
 
 def _nothing() -> None:
@@ -256,7 +259,11 @@ class Scheduler:
             try:
                 try:
                     while self._pending:
-                        await next(iter(self._pending))._wait_done()
+                        job = next(iter(self._pending))
+                        with anyio.move_on_after(_RECOVER_AFTER_S):
+                            await job._wait_done()
+                        self._recover(job)
+                        del job
                 finally:  # whatever the drain raised, nothing is left running
                     for lane in self.lanes:
                         lane.stop()
@@ -276,6 +283,18 @@ class Scheduler:
                 first = unobserved[0]
                 first._retrieved = True
                 raise first._error  # type: ignore[misc]
+
+    def _recover(self, job: Job) -> None:
+        """Settle ``job`` here if its settle callback was lost: an exception raised into the
+        loop thread while the callback ran (a signal handler's ``sys.exit``, a second Ctrl-C)
+        ends it midway. Done on the device, or failed or cancelled before reaching it: settled
+        now as its settle would have (which, if merely late, then finds it settled)."""
+        if job._finished:
+            return
+        if job._is_published and job._enqueue_error is not None:
+            self.finish(job, job._not_run_state, job._enqueue_error)
+        else:
+            job.lane.observe(job)
 
     # -- submitting ---------------------------------------------------------------------------
     async def submit(self, method: Method, inputs: Sequence[Any], *, lane: int | None = None,

@@ -388,7 +388,7 @@ async def test_leaving_on_an_error_cancels_jobs_not_yet_enqueued(device):
             opener.start()  # the gate opens while the scheduler is leaving
             raise RuntimeError("boom")
     opener.join()
-    assert jobs[0].state == "done"  # it was already in the runtime: it runs to completion
+    assert jobs[0].state == "done", jobs[0]._error  # already in the runtime: it runs to completion
     assert [j.state for j in jobs[1:]] == ["cancelled"] * 3
     for job in jobs[1:]:
         with pytest.raises(SchedulerClosed, match="cancelled before it ran"):

@@ -1,0 +1,144 @@
+"""KeyboardInterrupt and SystemExit on the loop thread (a second Ctrl-C, a signal handler's
+``sys.exit``) while the scheduler settles jobs: never swallowed, no completion lost, and
+leaving the scheduler still ends with nothing running. Each case runs in a fresh interpreter:
+outside pytest (whose hooks accept anything), and free to let the exception end the run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BACKENDS = ["asyncio", "uvloop", "trio"]
+RUN = """
+def run(main, backend):
+    options = {"use_uvloop": True} if backend == "uvloop" else {}
+    anyio.run(main, backend="asyncio" if backend == "uvloop" else backend,
+              backend_options=options)
+"""
+
+WAKER = r"""
+import sys, threading
+import anyio
+from streamlane.sched._wakeup import LoopWaker
+""" + RUN + r"""
+
+backend, kind = sys.argv[1], sys.argv[2]
+error = {"value": ValueError, "ki": KeyboardInterrupt, "exit": SystemExit}[kind]
+ran = []
+
+async def main():
+    waker = LoopWaker()
+    done = anyio.Event()
+
+    def bad():
+        ran.append("bad")
+        raise error("from a callback")
+
+    def post_all():  # one batch: the loop is woken once for all four
+        for cb in (lambda: ran.append("ok-1"), bad, lambda: ran.append("ok-3"), done.set):
+            waker.post(cb)
+
+    threading.Thread(target=post_all).start()
+    with anyio.move_on_after(5):
+        await done.wait()
+    later = anyio.Event()  # the waker still works
+    threading.Thread(target=lambda: waker.post(later.set)).start()
+    with anyio.move_on_after(5):
+        await later.wait()
+    ran.append("later" if later.is_set() else "no later")
+
+try:
+    run(main, backend)
+    print("RESULT returned", ran)
+except BaseException as exc:
+    chain = [type(e).__name__ for e in (exc, exc.__cause__, exc.__context__) if e is not None]
+    print("RESULT raised", chain, ran)
+"""
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_failing_callback_is_reported_and_the_batch_goes_on(backend):
+    """With Python's own sys.unraisablehook, which refused the report (a TypeError that then
+    dropped the rest of the batch: jobs never settled on asyncio, a TrioInternalError on trio)."""
+    out = _run(WAKER, backend, "value")
+    assert "RESULT returned ['ok-1', 'bad', 'ok-3', 'later']" in out.stdout, out
+    assert "Exception in a streamlane scheduler callback" in out.stderr, out.stderr
+    assert "ValueError: from a callback" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("kind", ["ki", "exit"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_keyboard_interrupt_and_system_exit_from_a_callback_are_not_swallowed(backend, kind):
+    """They propagate as from the loop's own callbacks. asyncio: out of the run, after the
+    callbacks behind them ran (posted again first); trio: a callback given to run_sync_soon
+    that raises crashes the run (TrioInternalError), which carries it."""
+    out = _run(WAKER, backend, kind)
+    name = "KeyboardInterrupt" if kind == "ki" else "SystemExit"
+    if backend == "trio":
+        assert "RESULT raised ['TrioInternalError'" in out.stdout, out
+    else:
+        assert f"RESULT raised ['{name}']" in out.stdout, out
+        assert "'ok-3'" in out.stdout, out
+    assert "RESULT returned" not in out.stdout, out
+
+
+EXIT_IN_SETTLE = r"""
+import sys, threading, time
+sys.path.insert(0, sys.argv[2])
+import anyio
+from sched_helpers import data, double_program
+from streamlane.runtime import get_device
+from streamlane.sched import Scheduler
+from streamlane.sched import scheduler as scheduler_module
+""" + RUN + r"""
+
+backend = sys.argv[1]
+dev = get_device("host")
+m = double_program().method("forward", device=dev)
+x = data(0)
+settles = {"n": 0}
+real = scheduler_module.Scheduler.finish
+
+def finish(self, job, state, error):  # the 50th settle is cut short, as by a signal handler
+    settles["n"] += 1
+    if settles["n"] == 50:
+        sys.exit(3)
+    return real(self, job, state, error)
+
+scheduler_module.Scheduler.finish = finish
+
+async def main():
+    async with Scheduler(dev, lanes=2) as sched:
+        while True:
+            jobs = [await sched.submit(m, [x]) for _ in range(8)]
+            for job in jobs:
+                await job
+
+try:
+    run(main, backend)
+    print("RESULT returned")
+except BaseException as exc:
+    print("RESULT raised", type(exc).__name__)
+lanes = [t.name for t in threading.enumerate() if t.name.startswith("streamlane-")
+         and not t.name.startswith("streamlane-host")]
+print("THREADS", lanes)
+"""
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_leaving_after_a_settle_was_cut_short_ends_with_nothing_running(backend):
+    """The job whose settle an exception cut short is settled by the exit's drain from the
+    device's state (it waited for that settle forever: the process hung at exit)."""
+    out = _run(EXIT_IN_SETTLE, backend, HERE)
+    want = "TrioInternalError" if backend == "trio" else "SystemExit"
+    assert f"RESULT raised {want}" in out.stdout, out
+    assert "THREADS []" in out.stdout, out
+
+
+def _run(script: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True,
+                          timeout=60)
