@@ -77,6 +77,9 @@ class LoopWaker:
             if self._scheduled:
                 return
             self._scheduled = True
+        self._schedule_drain()
+
+    def _schedule_drain(self) -> None:
         try:
             self._call_soon(self._drain)
         except self._closed_errors:
@@ -164,12 +167,7 @@ class LoopWaker:
             if self._scheduled:
                 return
             self._scheduled = True
-        try:
-            self._call_soon(self._drain)
-        except self._closed_errors:
-            with self._lock:
-                self._pending.clear()
-                self._scheduled = False
+        self._schedule_drain()
 
     def _requeue_soon(self, callbacks: Sequence[Callable[[], object]]) -> None:
         self._soon[:0] = callbacks
