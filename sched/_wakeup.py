@@ -57,7 +57,9 @@ class LoopWaker:
             self._loop = None
             self._call_soon = trio.lowlevel.current_trio_token().run_sync_soon
             self._loop_soon = self._trio_soon
-            self._closed_errors = (trio.RunFinishedError,)
+            # OSError: a run that ended abnormally can leave its wakeup socket closed before
+            # it counts as finished
+            self._closed_errors = (trio.RunFinishedError, OSError)
         else:
             raise NotSupported(f"the streamlane scheduler runs on asyncio (uvloop too) and trio, "
                                f"not on {self.backend!r}")
@@ -136,6 +138,12 @@ class LoopWaker:
                 await trio.lowlevel.wait_task_rescheduled(abort)
         finally:
             self._soon_running = False
+
+    def flush(self) -> None:
+        """Run the callbacks posted so far, now (loop thread only). A drain already scheduled
+        then finds nothing to do; one that was lost (an exception raised into the loop thread as
+        the drain began, before it could take the batch) is made up for."""
+        self._drain()
 
     def _drain(self) -> None:
         with self._lock:

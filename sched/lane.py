@@ -244,10 +244,12 @@ class Lane:
         self._jobs.put(None)
 
     def join(self) -> None:
-        """Join both threads, unless the device is lost: then they park (see ``_parking``)."""
+        """Join both threads, those started, unless the device is lost: then they park (see
+        ``_parking``)."""
         if not self.device.lost:
-            self.thread.join()
-            self.waiter.join()
+            for thread in (self.thread, self.waiter):
+                if thread.ident is not None:
+                    thread.join()
 
     def statistics(self) -> LaneStatistics:
         with self._lock:

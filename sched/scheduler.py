@@ -200,8 +200,9 @@ class Scheduler:
         for lane in self.lanes:
             lane.slots = anyio.Semaphore(self.queue_size)
             lane.ready, lane.exited = anyio.Event(), anyio.Event()
-            lane.start()
-        try:
+        try:  # an interrupt while a thread starts (Thread.start waits for it) stops them all
+            for lane in self.lanes:
+                lane.start()
             for lane in self.lanes:
                 await lane.ready.wait()
             errors = [lane.startup_error for lane in self.lanes if lane.startup_error]
@@ -248,16 +249,17 @@ class Scheduler:
             self._state = _CLOSED
             return
         self.check_loop_thread("closing the scheduler")
-        self._state = _CLOSING
         self._closed = anyio.Event()
-        if error:
-            self._cancelling = True  # before the parked job reaches the lane thread, which
-            # would otherwise run it: a job not yet enqueued is cancelled
-        self._unpark(inline=False)
-        self._release_loop_job()
         with anyio.CancelScope(shield=True):
             try:
-                try:
+                try:  # from here on, whatever is raised, the lanes are stopped and joined
+                    self._state = _CLOSING
+                    if error:
+                        self._cancelling = True  # before the parked job reaches the lane
+                        # thread, which would otherwise run it: a job not yet enqueued is
+                        # cancelled
+                    self._unpark(inline=False)
+                    self._release_loop_job()
                     while self._pending:
                         job = next(iter(self._pending))
                         with anyio.move_on_after(_RECOVER_AFTER_S):
@@ -268,9 +270,12 @@ class Scheduler:
                     for lane in self.lanes:
                         lane.stop()
                     for lane in self.lanes:
-                        if lane.thread.ident is not None:
-                            assert lane.exited is not None
-                            await lane.exited.wait()
+                        if lane.waiter.ident is not None:  # started (an interrupt in
+                            assert lane.exited is not None  # __aenter__ may stop short)
+                            while not lane.exited.is_set():  # posted by its waiter thread
+                                with anyio.move_on_after(_RECOVER_AFTER_S):
+                                    await lane.exited.wait()
+                                self.waker.flush()  # in case that post's drain was lost
                         lane.join()
             finally:
                 self._state = _CLOSED
@@ -286,9 +291,13 @@ class Scheduler:
 
     def _recover(self, job: Job) -> None:
         """Settle ``job`` here if its settle callback was lost: an exception raised into the
-        loop thread while the callback ran (a signal handler's ``sys.exit``, a second Ctrl-C)
-        ends it midway. Done on the device, or failed or cancelled before reaching it: settled
-        now as its settle would have (which, if merely late, then finds it settled)."""
+        loop thread (a signal handler's ``sys.exit``, a second Ctrl-C) as the waker's drain
+        began, or while the callback ran, ends it midway. The callbacks posted so far run now
+        (``LoopWaker.flush``); then a job done on the device, or failed or cancelled before
+        reaching it, is settled as its settle would have (a late one then finds it settled)."""
+        if job._finished:
+            return
+        self.waker.flush()
         if job._finished:
             return
         if job._is_published and job._enqueue_error is not None:

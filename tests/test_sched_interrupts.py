@@ -142,3 +142,72 @@ def test_leaving_after_a_settle_was_cut_short_ends_with_nothing_running(backend)
 def _run(script: str, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True,
                           timeout=60)
+
+
+INJECT = r"""
+import linecache, sys, threading
+sys.path.insert(0, sys.argv[2])
+import anyio
+from sched_helpers import data, double_program
+from streamlane.runtime import get_device
+from streamlane.sched import Scheduler, _wakeup, scheduler
+""" + RUN + r"""
+backend, where, text, nth = sys.argv[1], sys.argv[3], sys.argv[4], int(sys.argv[5])
+error = SystemExit if sys.argv[6] == "exit" else KeyboardInterrupt
+module = {"waker": _wakeup, "scheduler": scheduler}[where]
+path = module.__file__
+line = next(i for i, t in enumerate(linecache.getlines(path), 1) if text in t)
+hits = [0]
+
+def local(frame, event, arg):  # raise once, as a signal handler would, before that line
+    if event == "line" and frame.f_lineno == line:
+        hits[0] += 1
+        if hits[0] == nth:
+            sys.settrace(None)
+            raise error()
+    return local
+
+def trace(frame, event, arg):
+    return local if frame.f_code.co_filename == path and hits[0] < nth else None
+
+dev = get_device("host")
+m = double_program().method("forward", device=dev)
+
+async def main():
+    sys.settrace(trace)
+    async with Scheduler(dev, lanes=2) as sched:
+        for _ in range(30):
+            jobs = [await sched.submit(m, [data(i)]) for i in range(3)]
+            for job in jobs:
+                await job
+
+try:
+    run(main, backend)
+    print("RESULT returned", hits[0])
+except BaseException as exc:
+    print("RESULT raised", type(exc).__name__)
+lanes = [t.name for t in threading.enumerate() if t.name.startswith("streamlane-")
+         and not t.name.startswith("streamlane-host")]
+print("THREADS", lanes)
+"""
+
+
+@pytest.mark.parametrize(("where", "text", "nth"), [
+    ("waker", "batch, self._pending = self._pending, []", 5),  # as a drain begins
+    ("scheduler", "lane.start()", 2),  # while the lanes start
+    ("scheduler", "self._unpark(inline=False)", 1),  # as the close begins
+], ids=["drain-begins", "lanes-start", "close-begins"])
+@pytest.mark.parametrize("kind", ["ki", "exit"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_interrupt_at_a_fragile_moment_still_ends_with_nothing_running(backend, kind, where,
+                                                                         text, nth):
+    """An exception raised into the loop thread before these lines (as a signal handler
+    raises, between two bytecodes) left the waker never draining again (the exit then waited
+    for settles and lane exits forever), lane threads started outside __aenter__'s cleanup, or
+    a close marked closing that never stopped its lanes."""
+    out = _run(INJECT, backend, HERE, where, text, str(nth), kind)
+    assert "RESULT raised" in out.stdout, out
+    if backend != "trio" or where == "scheduler":  # trio: a raising run_sync_soon callback
+        name = "KeyboardInterrupt" if kind == "ki" else "SystemExit"  # crashes the run
+        assert f"RESULT raised {name}" in out.stdout or "ExceptionGroup" in out.stdout, out
+    assert "THREADS []" in out.stdout, out
