@@ -38,9 +38,9 @@ __all__ = ["LoopWaker"]
 class LoopWaker:
     """Created on the loop thread, inside a running asyncio or trio loop."""
 
-    __slots__ = ("_call_soon", "_closed_errors", "_lock", "_loop", "_loop_soon", "_pending",
-                 "_scheduled", "_soon", "_soon_closing", "_soon_running", "_soon_task", "backend",
-                 "loop_thread")
+    __slots__ = ("_call_soon", "_closed_errors", "_current", "_identity", "_lock", "_loop",
+                 "_loop_soon", "_pending", "_scheduled", "_soon", "_soon_closing", "_soon_running",
+                 "_soon_task", "backend", "loop_thread")
 
     def __init__(self) -> None:
         self.backend = current_async_library()
@@ -48,6 +48,8 @@ class LoopWaker:
             import asyncio
 
             loop = self._loop = asyncio.get_running_loop()
+            self._identity: object = loop
+            self._current: Callable[[], object] = asyncio._get_running_loop
             self._call_soon = loop.call_soon_threadsafe
             self._loop_soon: Callable[[Callable[[], object]], object] = loop.call_soon
             self._closed_errors: tuple[type[BaseException], ...] = (RuntimeError,)
@@ -55,7 +57,9 @@ class LoopWaker:
             import trio
 
             self._loop = None
-            self._call_soon = trio.lowlevel.current_trio_token().run_sync_soon
+            token = self._identity = trio.lowlevel.current_trio_token()
+            self._current = trio.lowlevel.current_trio_token
+            self._call_soon = token.run_sync_soon
             self._loop_soon = self._trio_soon
             # OSError: a run that ended abnormally can leave its wakeup socket closed before
             # it counts as finished
@@ -71,6 +75,14 @@ class LoopWaker:
         self._soon_task: Any = None  # trio: the system task that runs them, while it waits
         self._soon_running = False  # trio: that task exists (waiting, ready or running)
         self._soon_closing = False
+
+    def on_loop(self) -> bool:
+        """Whether the caller runs on this waker's thread and in its event loop (not in another
+        loop run on the same thread after this one ended)."""
+        try:  # the running loop (trio: run token) is per thread: one check covers both
+            return self._current() is self._identity
+        except RuntimeError:  # trio's, outside a trio run
+            return False
 
     def post(self, callback: Callable[[], object]) -> None:
         """Run ``callback()`` on the loop thread soon (thread-safe, coalesced)."""

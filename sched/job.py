@@ -228,7 +228,9 @@ class Job:
         its device work runs to completion, its buffers stay alive until then, and the
         scheduler releases them in the background.
         """
-        if threading.get_ident() != self.lane._core.waker.loop_thread:
+        waker = self.lane._core.waker  # a finished job may be awaited from another loop
+        if not waker.on_loop() and (not self._finished
+                                    or threading.get_ident() != waker.loop_thread):
             self.lane._core.check_loop_thread(f"await {self!r}")
         if self._parked:  # a lone job the loop enqueues now, at its first await
             self.lane._core.start_parked()

@@ -336,7 +336,7 @@ class Scheduler:
         can follow it and a lone job is enqueued by the loop here, not held back."""
         await checkpoint_if_cancelled()
         if (self._state is not _OPEN or self._broken is not None
-                or threading.get_ident() != self._loop_thread):
+                or not self.waker.on_loop()):
             self._check_open()
         if not isinstance(method, Method):
             raise InvalidArgument(f"submit() takes a Method (program.method(name, device=...)), "
@@ -548,13 +548,16 @@ class Scheduler:
         self.check_loop_thread("submit()")
 
     def check_loop_thread(self, what: str) -> None:
-        """Raise ``InvalidState`` unless called on the thread of the event loop that entered
-        the scheduler: its jobs and queues belong to that loop."""
-        if threading.get_ident() != self._loop_thread:
+        """Raise ``InvalidState`` unless called in the event loop that entered the scheduler
+        (on its thread, while it runs): its jobs and queues belong to that loop."""
+        if not self.waker.on_loop():
+            where = "another thread" if threading.get_ident() != self._loop_thread else \
+                "another event loop (the one that entered it has ended, or is not this one)"
             raise InvalidState(
-                f"{what} on another thread than the event loop that entered {self!r}; call it "
-                f"from that loop (from another thread: anyio.from_thread.run, or "
-                f"asyncio.run_coroutine_threadsafe / trio.from_thread.run with its loop)")
+                f"{what} from {where} than the event loop that entered {self!r}; call it from "
+                f"that loop (from another thread: anyio.from_thread.run, or "
+                f"asyncio.run_coroutine_threadsafe / trio.from_thread.run with its loop), and "
+                f"leave the scheduler (async with) before that loop ends")
 
     def start_parked(self) -> None:
         """Enqueue the parked job from the loop thread: its first ``await``, the loop's next

@@ -21,7 +21,7 @@ from sched_helpers import (
     wait_until,
 )
 
-from streamlane.runtime import Result
+from streamlane.runtime import Result, get_device
 from streamlane.runtime.errors import InvalidArgument, InvalidState, StreamClosed
 from streamlane.runtime.examples import load
 from streamlane.runtime.reference import run_reference
@@ -596,6 +596,42 @@ async def test_submit_await_and_close_from_another_thread_raise_invalid_state(de
             assert sched.statistics()[0].completed == 1
     np.testing.assert_array_equal(out.to_host(), 2 * x)
     assert not [t for t in threading.enumerate() if t.name.startswith("streamlane-lane")]
+
+
+@pytest.mark.parametrize("second", ["asyncio", "trio"])
+@pytest.mark.parametrize("first", ["asyncio", "trio"])
+def test_a_scheduler_left_open_by_an_ended_loop_refuses_the_next_loop(first, second):
+    """Loop one ends with the scheduler open and a job in flight (a test fixture, a second
+    asyncio.run on the same thread); loop two, on the same thread, gets InvalidState from
+    submit, await and close at once (they hung: nothing settles jobs in a loop that ended), and
+    can still await a job that had finished."""
+    dev = get_device("host")
+    m, spin = double_program().method("forward", device=dev), \
+        spin_program(300_000).method("forward", device=dev)
+    held: dict = {}
+
+    async def loop_one():
+        sched = held["sched"] = await Scheduler(dev, lanes=1).__aenter__()
+        held["done"] = await sched.submit(m, [data(0)])
+        await held["done"]
+        held["running"] = await sched.submit(spin, [data(1)])
+
+    async def loop_two():
+        sched = held["sched"]
+        for attempt in (lambda: sched.run(m, [data(2)]), held["running"].wait, sched.aclose):
+            with anyio.fail_after(5), pytest.raises(InvalidState, match="another event loop"):
+                await attempt()
+        (out,) = await held["done"]
+        return out.to_host()
+
+    anyio.run(loop_one, backend=first)
+    try:
+        np.testing.assert_array_equal(anyio.run(loop_two, backend=second), 2 * data(0))
+    finally:  # the lanes of a scheduler no loop can close: stopped by hand
+        for lane in held["sched"].lanes:
+            lane.stop()
+        for lane in held["sched"].lanes:
+            lane.join()
 
 
 @pytest.mark.parametrize("inline", [True, False], ids=["inline", "lane enqueues"])
