@@ -493,7 +493,6 @@ def get_device(name: str | None = None) -> Device:
     return dev
 
 
-
 def _check_memory(spec: KernelSpec, ins: Sequence[DeviceArray],
                   outs: Sequence[DeviceArray]) -> None:
     """``PreparedLaunch.run``'s checks (a method's steps, bound, skip them: its buffers are

@@ -159,7 +159,6 @@ class Scheduler:
         self.lanes: tuple[Lane, ...] = tuple(Lane(self, i, self.device, queue_size)
                                              for i in range(lanes))
         self.waker: LoopWaker  # set on entry, inside the running loop
-        self._loop_thread: int | None = None  # the thread of that loop
         self._state = _NEW
         self._closed: anyio.Event | None = None  # set once a close has joined every thread
         self._cancelling = False
@@ -195,7 +194,6 @@ class Scheduler:
         if self._state != _NEW:
             raise InvalidState(f"{self!r} was already entered; create a new Scheduler")
         self.waker = LoopWaker()
-        self._loop_thread = self.waker.loop_thread
         self._state = _OPEN
         for lane in self.lanes:
             lane.slots = anyio.Semaphore(self.queue_size)
@@ -551,7 +549,7 @@ class Scheduler:
         """Raise ``InvalidState`` unless called in the event loop that entered the scheduler
         (on its thread, while it runs): its jobs and queues belong to that loop."""
         if not self.waker.on_loop():
-            where = "another thread" if threading.get_ident() != self._loop_thread else \
+            where = "another thread" if threading.get_ident() != self.waker.loop_thread else \
                 "another event loop (the one that entered it has ended, or is not this one)"
             raise InvalidState(
                 f"{what} from {where} than the event loop that entered {self!r}; call it from "

@@ -578,6 +578,13 @@ def _tail(dev, array, count):
     return dev.to_host(view, dev.per_thread_stream())
 
 
+def _filled(dev, stream, shape, value):
+    """A device array of ``shape`` filled with ``value`` on the device (nothing uploaded)."""
+    array = dev.empty(shape, np.float32)
+    dev.launch("fill", stream, [], [array], {"value": value})
+    return array
+
+
 @pytest.mark.cuda
 def test_row_kernels_past_2_31_elements(cuda_device):
     """2**21 + 1 rows of 1024: the last row starts at element 2**31 (r * cols overflows an
@@ -586,8 +593,7 @@ def test_row_kernels_past_2_31_elements(cuda_device):
     _need_memory(dev, 40)
     s = dev.per_thread_stream()
     rows, cols = 2**21 + 1, 1024
-    x = dev.empty((rows, cols), np.float32)
-    dev.launch("fill", s, [], [x], {"value": 1.0})
+    x = _filled(dev, s, (rows, cols), 1.0)
     assert (_tail(dev, x, 2 * cols) == 1.0).all()
     sums = dev.empty((rows,), np.float32)
     dev.launch("reduce_sum", s, [x], [sums])
@@ -606,10 +612,8 @@ def test_matmul_past_2_31_elements(cuda_device):
     _need_memory(dev, 24)
     s = dev.per_thread_stream()
     m, k = 65537, 32768
-    a, b, c = dev.empty((m, k), np.float32), dev.empty((k, 1), np.float32), \
-        dev.empty((m, 1), np.float32)
-    dev.launch("fill", s, [], [a], {"value": 1.0})
-    dev.launch("fill", s, [], [b], {"value": 1.0})
+    a, b = _filled(dev, s, (m, k), 1.0), _filled(dev, s, (k, 1), 1.0)
+    c = dev.empty((m, 1), np.float32)
     dev.launch("matmul", s, [a, b], [c])
     assert (dev.to_host(c, s) == k).all()
     a.buffer.free(s)
@@ -620,9 +624,8 @@ def test_elementwise_past_2_31_elements(cuda_device):
     dev = cuda_device
     _need_memory(dev, 40)
     s = dev.per_thread_stream()
-    x = dev.empty((2**21 + 1, 1024), np.float32)
+    x = _filled(dev, s, (2**21 + 1, 1024), -3.0)
     y = dev.empty((2**21 + 1, 1024), np.float32)
-    dev.launch("fill", s, [], [x], {"value": -3.0})
     dev.launch("scale", s, [x], [y], {"factor": -2.0})
     dev.launch("axpy", s, [x, y], [y], {"alpha": 2.0})  # in place on y: -6 + 6 = 0
     assert (_tail(dev, y, 4096) == 0.0).all()
