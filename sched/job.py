@@ -65,7 +65,7 @@ class JobOutput:
         A lone job held back for its await (``Scheduler``: inline) is enqueued now, by the
         loop thread, so its outputs exist as soon as ``submit`` returns."""
         job = self.job
-        if job._parked and threading.get_ident() == job.lane._core.waker.loop_thread:
+        if job._parked and job.lane._core.waker.on_loop():
             job.lane._core.start_parked()
         results = job.results
         if results is None:

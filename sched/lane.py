@@ -189,9 +189,9 @@ class Lane:
     def release(self, job: Job) -> None:
         """If the loop kept ``job`` for its poll (``run_inline``): settle it if it has
         completed, else give it to the waiter; from then on it completes in the background.
-        Only on the loop thread; elsewhere (a repr in a lane thread's message, ``statistics()``
-        from another thread) it does nothing."""
-        if not job._loop_owned or threading.get_ident() != self._core.waker.loop_thread:
+        Only in the scheduler's loop; elsewhere (a repr in a lane thread's message,
+        ``statistics()`` from another thread or loop) it does nothing."""
+        if not job._loop_owned or not self._core.waker.on_loop():
             return
         job._loop_owned = False
         if not self._complete_on_loop(job):
@@ -204,8 +204,8 @@ class Lane:
         after it (``after=``, another lane) had been settled, until its own waiter reported it.
         A job held back for its await (``Scheduler.start_parked``) is started here, so code that
         polls ``done()`` without letting the loop turn still sees it finish. Elsewhere (a repr
-        in a lane thread's message) it does nothing."""
-        if threading.get_ident() != self._core.waker.loop_thread:
+        in a lane thread's message, another thread or loop) it does nothing."""
+        if not self._core.waker.on_loop():
             return
         if job._parked:  # looked at before its await: start it (a caller may poll done())
             self._core.start_parked()
