@@ -91,15 +91,23 @@ FILL = KernelSpec(
 
 
 # -- the rest: same shape in and out -----------------------------------------------------------
+# 0.5 x (1 + tanh(u)) equals x * sigmoid(2u), computed as the stable sigmoid: with
+# e = exp(-2|u|) <= 1, x / (1 + e) for u >= 0 and x e / (1 + e) below. 1 + tanh(u) cancels for
+# negative u (the tail lost all relative accuracy below x ~ -5.4); this form keeps it down to
+# where the value underflows, and never overflows.
 def _gelu32(x: np.ndarray) -> np.ndarray:
     # float32 throughout, the same expression as the CUDA source
     x = x.astype(np.float32, copy=False)
     u = np.float32(GELU_C) * (x + np.float32(GELU_K) * x * x * x)
-    return np.float32(0.5) * x * (np.float32(1.0) + np.tanh(u))
+    e = np.exp(np.float32(-2.0) * np.abs(u))
+    return np.where(u >= 0, x, x * e) / (np.float32(1.0) + e)
 
 
 def _gelu64(x: np.ndarray) -> np.ndarray:
-    return 0.5 * x * (1.0 + np.tanh(GELU_C * (x + GELU_K * x**3)))
+    u = GELU_C * (x + GELU_K * x**3)
+    e = np.exp(-2.0 * np.abs(u))
+    with np.errstate(invalid="ignore"):  # -inf * 0: gelu(-inf) is NaN, as 0.5 x (1 + tanh u)
+        return np.where(u >= 0, x, x * e) / (1.0 + e)
 
 
 def _assign(fn: Callable[[Sequence[np.ndarray], Mapping[str, Any]], np.ndarray]) -> HostFn:
@@ -158,9 +166,11 @@ GELU = _elementwise(
     "gelu", ("x",),
     "const float v = x[i]; "
     f"const float u = {GELU_C!r}f * (v + {GELU_K!r}f * v * v * v); "
-    "out[i] = 0.5f * v * (1.0f + tanhf(u));",
+    "const float e = expf(-2.0f * fabsf(u)); "
+    "out[i] = (u >= 0.0f ? v : v * e) / (1.0f + e);",
     host=_assign(lambda ins, p: _gelu32(ins[0])),
     reference=lambda ins, p: [_gelu64(f64(ins[0]))],
-    doc="GELU, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).")
+    doc="GELU, tanh approximation: 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3), "
+        "computed as x sigmoid(2u) so the negative tail keeps its relative accuracy.")
 
 SPECS = (FILL, COPY, ADD, MUL, AXPY, SCALE, RELU, GELU)
