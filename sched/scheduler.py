@@ -263,7 +263,9 @@ class Scheduler:
                         with anyio.move_on_after(_RECOVER_AFTER_S):
                             await job._wait_done()
                         self._recover(job)
-                        del job
+                        if not job._finished and not job._is_published:
+                            break  # queued behind others, or lost (_settle_lost): the lanes
+                        del job     # run what they hold before they exit
                 finally:  # whatever the drain raised, nothing is left running
                     for lane in self.lanes:
                         lane.stop()
@@ -275,6 +277,7 @@ class Scheduler:
                                     await lane.exited.wait()
                                 self.waker.flush()  # in case that post's drain was lost
                         lane.join()
+                    self._settle_lost()
             finally:
                 self._state = _CLOSED
                 self.waker.close()
@@ -302,6 +305,18 @@ class Scheduler:
             self.finish(job, job._not_run_state, job._enqueue_error)
         else:
             job.lane.observe(job)
+
+    def _settle_lost(self) -> None:
+        """Once the lanes have exited: a job still pending that no lane published never reached
+        one. An exception raised into the loop thread between a submit counting the job and
+        queueing it (or the close handing a parked job to its lane) left it so; the exit
+        waited for it forever. It did not run: it is settled as cancelled."""
+        for job in list(self._pending):
+            self._recover(job)
+            if not job._finished:
+                self.finish(job, CANCELLED, SchedulerClosed(
+                    f"{job!r} was cancelled before it ran: an exception interrupted its submit "
+                    f"(or the close) before it reached lane {job.lane.index}"))
 
     # -- submitting ---------------------------------------------------------------------------
     async def submit(self, method: Method, inputs: Sequence[Any], *, lane: int | None = None,

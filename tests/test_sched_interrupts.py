@@ -172,12 +172,17 @@ def trace(frame, event, arg):
 
 dev = get_device("host")
 m = double_program().method("forward", device=dev)
+streams = [None] * 3
+if sys.argv[7] == "streams":  # inputs on the device: a lone job is parked for the loop thread
+    from streamlane.runtime import Result
+    streams, plain = [dev.create_stream() for _ in range(3)], data
+    data = lambda i: Result.from_host(plain(i), dev)  # noqa: E731
 
 async def main():
     sys.settrace(trace)
     async with Scheduler(dev, lanes=2) as sched:
         for _ in range(30):
-            jobs = [await sched.submit(m, [data(i)]) for i in range(3)]
+            jobs = [await sched.submit(m, [data(i)], stream=s) for i, s in enumerate(streams)]
             for job in jobs:
                 await job
 
@@ -192,20 +197,25 @@ print("THREADS", lanes)
 """
 
 
-@pytest.mark.parametrize(("where", "text", "nth"), [
-    ("waker", "batch, self._pending = self._pending, []", 5),  # as a drain begins
-    ("scheduler", "lane.start()", 2),  # while the lanes start
-    ("scheduler", "self._unpark(inline=False)", 1),  # as the close begins
-], ids=["drain-begins", "lanes-start", "close-begins"])
+@pytest.mark.parametrize(("where", "text", "nth", "jobs"), [
+    ("waker", "batch, self._pending = self._pending, []", 5, "lanes"),  # as a drain begins
+    ("scheduler", "lane.start()", 2, "lanes"),  # while the lanes start
+    ("scheduler", "self._unpark(inline=False)", 1, "lanes"),  # as the close begins
+    ("scheduler", "lane.outstanding += 1", 5, "lanes"),  # counted, not yet queued
+    ("scheduler", "lane.outstanding += 1", 4, "streams"),  # counted, not yet parked
+    ("scheduler", "job._parked = False", 2, "streams"),  # unparked, not yet started
+], ids=["drain-begins", "lanes-start", "close-begins", "submit-counted", "submit-counted-stream",
+        "unparked"])
 @pytest.mark.parametrize("kind", ["ki", "exit"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_an_interrupt_at_a_fragile_moment_still_ends_with_nothing_running(backend, kind, where,
-                                                                         text, nth):
+                                                                         text, nth, jobs):
     """An exception raised into the loop thread before these lines (as a signal handler
     raises, between two bytecodes) left the waker never draining again (the exit then waited
-    for settles and lane exits forever), lane threads started outside __aenter__'s cleanup, or
-    a close marked closing that never stopped its lanes."""
-    out = _run(INJECT, backend, HERE, where, text, str(nth), kind)
+    for settles and lane exits forever), lane threads started outside __aenter__'s cleanup, a
+    close marked closing that never stopped its lanes, or a job counted as pending that no lane
+    would ever run (the exit waited for it forever)."""
+    out = _run(INJECT, backend, HERE, where, text, str(nth), kind, jobs)
     assert "RESULT raised" in out.stdout, out
     if backend != "trio" or where == "scheduler":  # trio: a raising run_sync_soon callback
         name = "KeyboardInterrupt" if kind == "ki" else "SystemExit"  # crashes the run
