@@ -37,6 +37,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import os
 import sys
@@ -85,6 +86,21 @@ _RECOVER_AFTER_S = 0.1
 
 def _nothing() -> None:
     return None
+
+
+# Schedulers entered and not closed yet. Their lane threads are daemons (an unclosed scheduler
+# never holds up the interpreter's exit), so one left open when the process exits is only seen
+# here: a ResourceWarning, as Python gives for an unclosed file or event loop.
+_open_schedulers: weakref.WeakSet[Scheduler] = weakref.WeakSet()
+
+
+@atexit.register
+def _warn_unclosed() -> None:
+    for sched in list(_open_schedulers):
+        warnings.warn(f"{sched!r} was never closed: leave its async with block (or await "
+                      f"aclose()) before the event loop ends; its lane threads end with the "
+                      f"process, and device work they queued may not have finished",
+                      ResourceWarning, stacklevel=1)
 
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -195,6 +211,7 @@ class Scheduler:
             raise InvalidState(f"{self!r} was already entered; create a new Scheduler")
         self.waker = LoopWaker()
         self._state = _OPEN
+        _open_schedulers.add(self)
         for lane in self.lanes:
             lane.slots = anyio.Semaphore(self.queue_size)
             lane.ready, lane.exited = anyio.Event(), anyio.Event()
@@ -280,6 +297,7 @@ class Scheduler:
                     self._settle_lost()
             finally:
                 self._state = _CLOSED
+                _open_schedulers.discard(self)
                 self.waker.close()
                 self._closed.set()
         if not error:

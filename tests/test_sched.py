@@ -634,6 +634,43 @@ def test_a_scheduler_left_open_by_an_ended_loop_refuses_the_next_loop(first, sec
             lane.join()
 
 
+UNCLOSED = """
+import sys, anyio
+from streamlane.runtime import get_device
+from streamlane.sched import Scheduler
+
+async def main():
+    kept = await Scheduler(get_device("host"), lanes=2).__aenter__()
+    if sys.argv[1] == "close":
+        await kept.aclose()
+    async with Scheduler(get_device("host"), lanes=1):
+        pass
+    return kept
+
+kept = anyio.run(main)
+print("RESULT", kept)
+"""
+
+
+@pytest.mark.parametrize("close", ["close", "leave open"])
+def test_a_scheduler_never_closed_gives_a_resource_warning_at_exit(close):
+    """Its lane threads are daemons: the process exits without waiting for them, and nothing
+    said so. Now a ResourceWarning names it, as for an unclosed file; a closed one says
+    nothing."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-W", "always::ResourceWarning", "-c", UNCLOSED, close],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "RESULT <Scheduler" in out.stdout, out
+    warned = [line for line in out.stderr.splitlines() if "ResourceWarning" in line]
+    if close == "close":
+        assert warned == [], out.stderr
+    else:
+        assert len(warned) == 1 and "2 lanes" in warned[0] and "was never closed" in warned[0], \
+            out.stderr
+
+
 @pytest.mark.parametrize("inline", [True, False], ids=["inline", "lane enqueues"])
 async def test_a_caller_stream_closed_right_after_submit_still_runs_the_job(device, inline):
     """submit() promises the job will run: leaving `with device.create_stream() as s:` right
