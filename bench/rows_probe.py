@@ -5,7 +5,11 @@ same run, same buffers (CUDA events, best of two rounds of 20 launches).
     python bench/rows_probe.py --old /tmp/rows-old.json                 # on the GPU machine
 
 Written for the switch of softmax / layernorm / reduce_sum from float32 to double sums
-(results/rows-probe-cuda.txt); the old layernorm took its eps as a float.
+(results/rows-probe-cuda.txt; the old layernorm took its eps as a float), then used for their
+float4 loads: each row also runs this tree's kernel with the other block size of a long row
+(256 / 1024 threads, "alt"), and the table gives each kernel's registers and spills and the
+bandwidth of its least traffic (reduce_sum reads x once, softmax and layernorm read x and
+write out once).
 """
 
 from __future__ import annotations
@@ -18,49 +22,81 @@ import subprocess
 import types
 
 import numpy as np
+from cuda.bindings import driver
 
 from streamlane.kernels import get_kernel, library
 from streamlane.kernels.spec import LaunchConfig, c_double, c_float
 from streamlane.runtime import get_device
+from streamlane.runtime.cuda import check
 
 SOURCES = {"reduce_sum": "REDUCE_SUM_CUDA", "softmax": "SOFTMAX_CUDA",
            "layernorm": "LAYERNORM_CUDA"}
 SHAPES = ((8192, 4096), (64, 1_000_000), (1_000_000, 64), (4, 16_000_000), (262_144, 256),
-          (65_536, 1024), (4_000_000, 8))
+          (65_536, 1024), (4_000_000, 8), (1, 16_000_001), (1024, 65_537), (16_384, 16_384))
 
 
 def extract(commit: str) -> dict[str, str]:
-    """The three kernels' full CUDA sources at ``commit`` (block reductions included)."""
+    """The three kernels' full CUDA sources at ``commit`` (block reductions and, from the
+    float4 loads on, the row traversal included)."""
     common = subprocess.check_output(["git", "show", f"{commit}:kernels/_common.py"], text=True)
     rows = subprocess.check_output(["git", "show", f"{commit}:kernels/rows.py"], text=True)
-    block = re.search(r'BLOCK_REDUCE_CUDA = r"""(.*?)"""', common, re.S).group(1)
-    return {n: block + re.search(rf'{var} = BLOCK_REDUCE_CUDA \+ r"""(.*?)"""', rows,
-                                 re.S).group(1) for n, var in SOURCES.items()}
+    parts = {name: re.search(rf'{name} = r"""(.*?)"""', common, re.S)
+             for name in ("BLOCK_REDUCE_CUDA", "ROW_EACH_CUDA")}
+    sources = {}
+    for n, var in SOURCES.items():
+        m = re.search(rf'{var} = ((?:[A-Z_]+ \+ )+)r"""(.*?)"""', rows, re.S)
+        names = [p.strip() for p in m.group(1).split("+") if p.strip()]
+        sources[n] = "".join(parts[p].group(1) for p in names) + m.group(2)
+    return sources
 
 
-def _block_per_row(c: LaunchConfig, float_eps: bool) -> LaunchConfig:
-    """The launch the sources before the warp-per-row rule expect: a block of up to 256
-    threads per row, the row index from blockIdx.x alone."""
+def _old_launch(c: LaunchConfig, float_eps: bool, warp_rows: bool) -> LaunchConfig:
+    """The launch the old sources expect: before the warp-per-row rule a block of up to 256
+    threads per row, the row index from blockIdx.x alone; with it (``SL_FIRST_ROW`` in the
+    source) a warp per row up to 256 columns, else a block of 256 threads."""
     (rows, _), (cols, _) = c.scalars[:2]
-    threads = min(256, max(32, 1 << (cols - 1).bit_length()))
     scalars = tuple((v, c_float if float_eps and t is c_double else t) for v, t in c.scalars)
+    if warp_rows and cols <= 256:
+        return LaunchConfig((min(-(-rows // 8), 65535), 1, 1), (32, 8, 1), c.shared_mem,
+                            scalars)
+    threads = 256 if warp_rows else min(256, max(32, 1 << (cols - 1).bit_length()))
     return LaunchConfig((min(rows, 65535), 1, 1), (threads, 1, 1), c.shared_mem, scalars)
 
 
+def _other_block(c: LaunchConfig) -> LaunchConfig:
+    """This tree's launch with the other block size of a long row (256 <-> 1024 threads)."""
+    threads = 256 if c.block[0] == 1024 else 1024
+    return dataclasses.replace(c, block=(threads, 1, 1))
+
+
 def register_old(old: dict[str, str]) -> None:
-    """Register the old sources as ``<name>_old``, launched one block per row as they expect
-    (an eps they declare ``float`` gets a float)."""
+    """Register the old sources as ``<name>_old``, launched as they expect (an eps they
+    declare ``float`` gets a float), and this tree's as ``<name>_alt`` with the other block
+    size of a long row."""
     table = dict(library.KERNELS)
     for name, source in old.items():
         spec = get_kernel(name)
         float_eps = re.search(r"\bfloat eps\b", source) is not None
+        warp_rows = "SL_FIRST_ROW" in source
 
-        def configure(i, o, p, _c=spec.configure, _f=float_eps):
-            return _block_per_row(_c(i, o, p), _f)
+        def configure(i, o, p, _c=spec.configure, _f=float_eps, _w=warp_rows):
+            return _old_launch(_c(i, o, p), _f, _w)
+
+        def alternative(i, o, p, _c=spec.configure):
+            return _other_block(_c(i, o, p))
 
         table[f"{name}_old"] = dataclasses.replace(spec, name=f"{name}_old", source=source,
                                                    configure=configure)
+        table[f"{name}_alt"] = dataclasses.replace(spec, name=f"{name}_alt",
+                                                   configure=alternative)
     library.KERNELS = types.MappingProxyType(table)
+
+
+def _resources(function: object) -> str:
+    attr = driver.CUfunction_attribute
+    regs = check(driver.cuFuncGetAttribute(attr.CU_FUNC_ATTRIBUTE_NUM_REGS, function))
+    local = check(driver.cuFuncGetAttribute(attr.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, function))
+    return f"{regs} regs, {local} B local"
 
 
 def main() -> None:
@@ -77,14 +113,23 @@ def main() -> None:
         register_old(json.load(f))
     dev = get_device("cuda")
     s = dev.per_thread_stream()
+    for name in SOURCES:
+        spec = get_kernel(name)
+        for variant in (f"{name}_old", name):
+            launch = dev.prepare(variant, [(2, 1024)], spec.infer([(2, 1024)],
+                                                                spec.resolve_params(None)))
+            print(f"# {variant}: {_resources(launch.function)}")
     for shape in SHAPES:
         x = dev.to_device(np.random.default_rng(0).standard_normal(shape).astype(np.float32), s)
         for name in SOURCES:
             spec = get_kernel(name)
             out_shape = spec.infer([shape], spec.resolve_params(None))[0]
             y = dev.empty(out_shape, np.float32)
-            us: dict[str, list[float]] = {"old": [], "new": []}
-            for variant in (f"{name}_old", name, f"{name}_old", name):
+            variants = [f"{name}_old", name]
+            if shape[-1] > 256:
+                variants.append(f"{name}_alt")
+            us: dict[str, list[float]] = {v: [] for v in variants}
+            for variant in variants * 2:
                 launch = dev.prepare(variant, [shape], [out_shape])
                 for _ in range(3):
                     launch.run(s, [x], [y])
@@ -93,12 +138,17 @@ def main() -> None:
                     launch.run(s, [x], [y])
                 e1 = s.record(dev.create_event(timing=True))
                 e1.synchronize()
-                us["old" if variant.endswith("_old") else "new"].append(
-                    e0.elapsed_ms(e1) / 20 * 1e3)
-            old, new = min(us["old"]), min(us["new"])
-            print(f"{name:10s} {shape!s:18s} old {old:9.1f} us  new {new:9.1f} us  "
-                  f"({new / old:.2f}x)", flush=True)
-
+                us[variant].append(e0.elapsed_ms(e1) / 20 * 1e3)
+            old, new = min(us[f"{name}_old"]), min(us[name])
+            traffic = x.nbytes * (1 if name == "reduce_sum" else 2)
+            line = (f"{name:10s} {shape!s:18s} old {old:9.1f} us  new {new:9.1f} us  "
+                    f"({new / old:.2f}x)  {traffic / new / 1e3:7.0f} GB/s")
+            if f"{name}_alt" in us:
+                threads = dev.prepare(name, [shape], [out_shape]).config.block[0]
+                alt = min(us[f"{name}_alt"])
+                other = 256 if threads == 1024 else 1024
+                line += f"  [{threads} threads; {other} threads: {alt / new:.2f}x]"
+            print(line, flush=True)
 
 if __name__ == "__main__":
     main()

@@ -103,21 +103,25 @@ def rows_cols(shape: Shape) -> tuple[int, int]:
 
 
 # Rows up to this long get one warp each (WARP_ROWS_PER_BLOCK rows per block): a block per
-# short row spends most of its time in the block reduction's barriers.
+# short row spends most of its time in the block reduction's barriers. Rows longer than
+# LONG_ROW_COLS get a block of 1024 threads: a row is one block's work, and a few long rows
+# (fewer than the GPU's SMs) are read only as fast as their blocks keep loads in flight.
 WARP_ROW_COLS = 256
 WARP_ROWS_PER_BLOCK = 8
+LONG_ROW_COLS = 16384
 
 
 def row_launch(shape: Shape) -> LaunchConfig:
     """The launch of a row kernel, scalars (rows, cols): a warp per row for rows of up to
-    ``WARP_ROW_COLS`` (block 32 x ``WARP_ROWS_PER_BLOCK``), else a block of 256 threads per
-    row (whole warps, as the block reductions need); grid-stride over rows past the grid."""
+    ``WARP_ROW_COLS`` (block 32 x ``WARP_ROWS_PER_BLOCK``), else a block per row, of 256
+    threads, or 1024 past ``LONG_ROW_COLS`` (whole warps, as the block reductions need);
+    grid-stride over rows past the grid."""
     rows, cols = rows_cols(shape)
     if cols <= WARP_ROW_COLS:
         blocks = -(-rows // WARP_ROWS_PER_BLOCK)
         block = (32, WARP_ROWS_PER_BLOCK, 1)
     else:
-        blocks, block = rows, (256, 1, 1)
+        blocks, block = rows, (1024 if cols > LONG_ROW_COLS else 256, 1, 1)
     return LaunchConfig(grid=(min(blocks, MAX_GRID), 1, 1), block=block,
                         scalars=((rows, c_longlong), (cols, c_longlong)))
 
@@ -169,5 +173,42 @@ __device__ float sl_block_max(float v, float* scratch) {
     if (lane == 0) scratch[warp] = v;
     __syncthreads();
     return sl_warp_max(lane < warps ? scratch[lane] : neg_inf);
+}
+"""
+
+
+# The row traversal of the row kernels: float4 loads, four in flight per thread, where a thread
+# issuing one 4-byte load at a time left a few long rows ~30x short of the memory bandwidth
+# (bench/results/rows-probe-cuda.txt). Each thread visits the same elements in the same order
+# in every pass over a row, so a kernel that writes element j in a pass wrote only what it read.
+ROW_EACH_CUDA = r"""
+template <typename F>
+__device__ __forceinline__ void sl_each4(F& f, long long j, const float4 q) {
+    f(j, q.x);
+    f(j + 1, q.y);
+    f(j + 2, q.z);
+    f(j + 3, q.w);
+}
+// f(j, xr[j]) for every j < cols, over the threads along x: the (at most 3) elements before
+// xr's first 16-byte boundary, then float4 loads, then the (at most 3) left over.
+template <typename F>
+__device__ __forceinline__ void sl_row_each(const float* xr, long long cols, F f) {
+    const long long t = threadIdx.x, n = blockDim.x;
+    long long head = (long long)(((16u - ((unsigned)(unsigned long long)xr & 15u)) & 15u) >> 2);
+    if (head > cols) head = cols;
+    if (t < head) f(t, xr[t]);
+    const float4* v = reinterpret_cast<const float4*>(xr + head);
+    const long long nv = (cols - head) >> 2;
+    long long k = t;
+    for (; k + 3 * n < nv; k += 4 * n) {
+        const float4 a = v[k], b = v[k + n], c = v[k + 2 * n], d = v[k + 3 * n];
+        sl_each4(f, head + 4 * k, a);
+        sl_each4(f, head + 4 * (k + n), b);
+        sl_each4(f, head + 4 * (k + 2 * n), c);
+        sl_each4(f, head + 4 * (k + 3 * n), d);
+    }
+    for (; k < nv; k += n) sl_each4(f, head + 4 * k, v[k]);
+    const long long j = head + 4 * nv + t;
+    if (j < cols) f(j, xr[j]);
 }
 """

@@ -2,11 +2,12 @@
 
 A tensor of any rank >= 1 is seen as ``rows x cols`` (cols = last axis). One block handles one
 row, or for short rows one warp does (``_common.row_launch``), with a grid-stride loop over
-rows; its threads' partial results are combined by the reductions of
-``_common.BLOCK_REDUCE_CUDA``, summing in double. Signature: ``(x, out,
-long long rows, long long cols[, double eps])``. Each row kernel reads a row only after the
-previous block reduction finished, so softmax and layernorm may write over their input
-(out == x, exactly); reduce_sum's output may not overlap its input (``KernelSpec.in_place``).
+rows; its threads read the row with float4 loads (``_common.ROW_EACH_CUDA``) and their partial
+results are combined by the reductions of ``_common.BLOCK_REDUCE_CUDA``, summing in double.
+Signature: ``(x, out, long long rows, long long cols[, double eps])``. A thread writes element
+j of a row only in a pass where it read x[j] itself, after reading it, so softmax and layernorm
+may write over their input (out == x, exactly); reduce_sum's output may not overlap its input
+(``KernelSpec.in_place``).
 """
 
 from __future__ import annotations
@@ -16,29 +17,41 @@ from typing import Any
 
 import numpy as np
 
-from ._common import BLOCK_REDUCE_CUDA, check_ins, checked_configure, f64, min_rank, row_launch
+from ._common import (
+    BLOCK_REDUCE_CUDA,
+    ROW_EACH_CUDA,
+    check_ins,
+    checked_configure,
+    f64,
+    min_rank,
+    row_launch,
+)
 from .spec import KernelSpec, LaunchConfig, Param, Shape, c_double
 
-SOFTMAX_CUDA = BLOCK_REDUCE_CUDA + r"""
+SOFTMAX_CUDA = BLOCK_REDUCE_CUDA + ROW_EACH_CUDA + r"""
 // Numerically stable: exp(x - max) never overflows. Pass 2 stores the exponentials in out
 // and sums them in double, pass 3 scales them by the sum's reciprocal (a double product
 // rounded once to float32; a double division per element took 1.23x the kernel's time).
-extern "C" __global__ void sl_softmax(const float* x, float* out, long long rows, long long cols) {
+extern "C" __global__ void __launch_bounds__(1024) sl_softmax(const float* x, float* out,
+                                                              long long rows, long long cols) {
     __shared__ double scratch[32];
     for (long long r = SL_FIRST_ROW; r < rows; r += SL_ROW_STRIDE) {
         const float* xr = x + r * cols;
         float* yr = out + r * cols;
         float mx = __int_as_float(0xff800000);
-        for (long long j = threadIdx.x; j < cols; j += blockDim.x) mx = fmaxf(mx, xr[j]);
+        sl_row_each(xr, cols, [&](long long, float v) { mx = fmaxf(mx, v); });
         mx = sl_block_max(mx, (float*)scratch);
         double s = 0.0;
-        for (long long j = threadIdx.x; j < cols; j += blockDim.x) {
-            const float e = expf(xr[j] - mx);
+        sl_row_each(xr, cols, [&](long long j, float v) {
+            const float e = expf(v - mx);
             yr[j] = e;
             s += e;
-        }
+        });
         const double inv = 1.0 / sl_block_sum(s, scratch);
-        for (long long j = threadIdx.x; j < cols; j += blockDim.x) yr[j] = (float)(yr[j] * inv);
+        // Pass 3 walks yr, whose elements may fall to other threads than in pass 2 (when yr
+        // and xr differ in alignment): a warp's reduction has no barrier, so one here.
+        if (blockDim.x == 32) __syncwarp();
+        sl_row_each(yr, cols, [&](long long j, float v) { yr[j] = (float)(v * inv); });
     }
 }
 """
@@ -47,37 +60,35 @@ extern "C" __global__ void sl_softmax(const float* x, float* out, long long rows
 # cancels catastrophically when |mean| >> std; both in double, from float32 values: x - mean
 # is then exact to double precision, so a constant row (even far from zero) gives exactly 0, a
 # long row's mean is accurate, and squares of deviations up to float32's range cannot overflow.
-LAYERNORM_CUDA = BLOCK_REDUCE_CUDA + r"""
-extern "C" __global__ void sl_layernorm(const float* x, float* out, long long rows, long long cols,
-                                        double eps) {
+LAYERNORM_CUDA = BLOCK_REDUCE_CUDA + ROW_EACH_CUDA + r"""
+extern "C" __global__ void __launch_bounds__(1024) sl_layernorm(
+        const float* x, float* out, long long rows, long long cols, double eps) {
     __shared__ double scratch[32];
     for (long long r = SL_FIRST_ROW; r < rows; r += SL_ROW_STRIDE) {
         const float* xr = x + r * cols;
         float* yr = out + r * cols;
         double s = 0.0;
-        for (long long j = threadIdx.x; j < cols; j += blockDim.x) s += xr[j];
+        sl_row_each(xr, cols, [&](long long, float v) { s += v; });
         const double m = sl_block_sum(s, scratch) / (double)cols;
         double q = 0.0;
-        for (long long j = threadIdx.x; j < cols; j += blockDim.x) {
-            const double d = xr[j] - m;
+        sl_row_each(xr, cols, [&](long long, float v) {
+            const double d = v - m;
             q = fma(d, d, q);
-        }
+        });
         const double var = sl_block_sum(q, scratch) / (double)cols;
         const double inv = 1.0 / sqrt(var + eps);
-        for (long long j = threadIdx.x; j < cols; j += blockDim.x)
-            yr[j] = (float)((xr[j] - m) * inv);
+        sl_row_each(xr, cols, [&](long long j, float v) { yr[j] = (float)((v - m) * inv); });
     }
 }
 """
 
-REDUCE_SUM_CUDA = BLOCK_REDUCE_CUDA + r"""
-extern "C" __global__ void sl_reduce_sum(const float* x, float* out, long long rows,
-                                         long long cols) {
+REDUCE_SUM_CUDA = BLOCK_REDUCE_CUDA + ROW_EACH_CUDA + r"""
+extern "C" __global__ void __launch_bounds__(1024) sl_reduce_sum(
+        const float* x, float* out, long long rows, long long cols) {
     __shared__ double scratch[32];
     for (long long r = SL_FIRST_ROW; r < rows; r += SL_ROW_STRIDE) {
-        const float* xr = x + r * cols;
         double s = 0.0;
-        for (long long j = threadIdx.x; j < cols; j += blockDim.x) s += xr[j];
+        sl_row_each(x + r * cols, cols, [&](long long, float v) { s += v; });
         s = sl_block_sum(s, scratch);
         if (threadIdx.x == 0) out[r] = (float)s;
     }

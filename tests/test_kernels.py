@@ -266,7 +266,8 @@ _CTYPE_OF = {"long long": ctypes.c_longlong, "float": ctypes.c_float,
 
 
 def _signature(spec) -> list[str]:
-    m = re.search(rf'extern "C" __global__ void {spec.entry}\(([^)]*)\)', spec.source)
+    m = re.search(rf'extern "C" __global__ void (?:__launch_bounds__\(\d+\)\s+)?'
+                  rf'{spec.entry}\(([^)]*)\)', spec.source)
     assert m, f"{spec.name}: no extern \"C\" __global__ {spec.entry}"
     return [" ".join(a.split()[:-1]) for a in m.group(1).split(",") if a.strip()]
 
