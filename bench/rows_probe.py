@@ -115,10 +115,12 @@ def main() -> None:
     s = dev.per_thread_stream()
     for name in SOURCES:
         spec = get_kernel(name)
-        for variant in (f"{name}_old", name):
-            launch = dev.prepare(variant, [(2, 1024)], spec.infer([(2, 1024)],
-                                                                spec.resolve_params(None)))
-            print(f"# {variant}: {_resources(launch.function)}")
+        for variant, shape in ((f"{name}_old", (2, 1024)), (name, (2, 1024)),
+                               (name, (2, 1 << 20))):
+            out_shape = spec.infer([shape], spec.resolve_params(None))[0]
+            launch = dev.prepare(variant, [shape], [out_shape])
+            entry = launch.config.entry or spec.entry
+            print(f"# {variant} ({entry}): {_resources(launch.function)}")
     for shape in SHAPES:
         x = dev.to_device(np.random.default_rng(0).standard_normal(shape).astype(np.float32), s)
         for name in SOURCES:

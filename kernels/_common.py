@@ -103,27 +103,35 @@ def rows_cols(shape: Shape) -> tuple[int, int]:
 
 
 # Rows up to this long get one warp each (WARP_ROWS_PER_BLOCK rows per block): a block per
-# short row spends most of its time in the block reduction's barriers. Rows longer than
-# LONG_ROW_COLS get a block of 1024 threads: a row is one block's work, and a few long rows
-# (fewer than the GPU's SMs) are read only as fast as their blocks keep loads in flight.
+# short row spends most of its time in the block reduction's barriers. Rows of LONG_ROW_COLS
+# columns or more go to the kernel's "_long" entry, which reads them with float4 loads, four in
+# flight per thread (``ROW_EACH_CUDA``), in blocks of 256 threads, or 1024 past
+# WIDE_BLOCK_COLS. The long entry needs twice the registers (46-64 against 28-32), which halves
+# how many warps an SM holds: shorter rows, with few elements per thread, ran up to 2.6x
+# slower with it on the H200 (bench/results/rows-probe-cuda.txt), so they keep the plain entry.
 WARP_ROW_COLS = 256
 WARP_ROWS_PER_BLOCK = 8
-LONG_ROW_COLS = 16384
+LONG_ROW_COLS = 2048
+WIDE_BLOCK_COLS = 16384
 
 
-def row_launch(shape: Shape) -> LaunchConfig:
-    """The launch of a row kernel, scalars (rows, cols): a warp per row for rows of up to
-    ``WARP_ROW_COLS`` (block 32 x ``WARP_ROWS_PER_BLOCK``), else a block per row, of 256
-    threads, or 1024 past ``LONG_ROW_COLS`` (whole warps, as the block reductions need);
-    grid-stride over rows past the grid."""
+def row_launch(shape: Shape, name: str) -> LaunchConfig:
+    """The launch of row kernel ``name``, scalars (rows, cols): a warp per row for rows of up
+    to ``WARP_ROW_COLS`` (block 32 x ``WARP_ROWS_PER_BLOCK``), else a block per row, of 256
+    threads, or 1024 past ``WIDE_BLOCK_COLS`` (whole warps, as the block reductions need), by
+    the entry ``sl_<name>_long`` from ``LONG_ROW_COLS`` on; grid-stride over rows past the
+    grid."""
     rows, cols = rows_cols(shape)
+    entry = None
     if cols <= WARP_ROW_COLS:
         blocks = -(-rows // WARP_ROWS_PER_BLOCK)
         block = (32, WARP_ROWS_PER_BLOCK, 1)
     else:
-        blocks, block = rows, (1024 if cols > LONG_ROW_COLS else 256, 1, 1)
+        blocks, block = rows, (1024 if cols > WIDE_BLOCK_COLS else 256, 1, 1)
+        if cols >= LONG_ROW_COLS:
+            entry = f"sl_{name}_long"
     return LaunchConfig(grid=(min(blocks, MAX_GRID), 1, 1), block=block,
-                        scalars=((rows, c_longlong), (cols, c_longlong)))
+                        scalars=((rows, c_longlong), (cols, c_longlong)), entry=entry)
 
 
 def f64(a: Any) -> np.ndarray:
@@ -177,10 +185,13 @@ __device__ float sl_block_max(float v, float* scratch) {
 """
 
 
-# The row traversal of the row kernels: float4 loads, four in flight per thread, where a thread
-# issuing one 4-byte load at a time left a few long rows ~30x short of the memory bandwidth
-# (bench/results/rows-probe-cuda.txt). Each thread visits the same elements in the same order
-# in every pass over a row, so a kernel that writes element j in a pass wrote only what it read.
+# The row traversal of the row kernels. sl_row_each<false>: one element per thread at a
+# time, as every row kernel read rows before. sl_row_each<true> (the "_long" entries): float4
+# loads, four in flight per thread, where one 4-byte load at a time left long rows far short
+# of the memory bandwidth (reduce_sum of (64, 1e6) at 164 GB/s on the H200,
+# bench/results/rows-probe-cuda.txt). Either way each thread visits the same elements in the
+# same order in every pass over a row (from the same pointer), so a kernel that writes
+# element j in a pass wrote only what that thread read.
 ROW_EACH_CUDA = r"""
 template <typename F>
 __device__ __forceinline__ void sl_each4(F& f, long long j, const float4 q) {
@@ -189,11 +200,15 @@ __device__ __forceinline__ void sl_each4(F& f, long long j, const float4 q) {
     f(j + 2, q.z);
     f(j + 3, q.w);
 }
-// f(j, xr[j]) for every j < cols, over the threads along x: the (at most 3) elements before
-// xr's first 16-byte boundary, then float4 loads, then the (at most 3) left over.
-template <typename F>
+// f(j, xr[j]) for every j < cols, over the threads along x. Vectorized: the (at most 3)
+// elements before xr's first 16-byte boundary, then float4 loads, then the (at most 3) left.
+template <bool VEC, typename F>
 __device__ __forceinline__ void sl_row_each(const float* xr, long long cols, F f) {
     const long long t = threadIdx.x, n = blockDim.x;
+    if (!VEC) {
+        for (long long j = t; j < cols; j += n) f(j, xr[j]);
+        return;
+    }
     long long head = (long long)(((16u - ((unsigned)(unsigned long long)xr & 15u)) & 15u) >> 2);
     if (head > cols) head = cols;
     if (t < head) f(t, xr[t]);

@@ -63,12 +63,15 @@ class Param:
 @dataclass(frozen=True)
 class LaunchConfig:
     """Grid, block and dynamic shared memory of one launch, plus the trailing scalar arguments
-    as ``(value, ctypes type)`` pairs."""
+    as ``(value, ctypes type)`` pairs. ``entry`` picks another ``extern "C"`` kernel of the
+    same source, with the same parameters (None: the spec's ``entry``): a kernel whose launch
+    rule has variants that need different register budgets."""
 
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
     shared_mem: int = 0
     scalars: tuple[tuple[Any, type], ...] = ()
+    entry: str | None = None
 
 
 @dataclass(frozen=True)

@@ -434,6 +434,7 @@ class CudaDevice(Device):
         self._flags = _FlagPages()
         self._kernel_cache: Any = None
         self._modules: list[Any] = []  # loaded modules stay alive with the device
+        self._module_of: dict[str, Any] = {}  # kernel name -> its module (entries share it)
         self._plans: dict[int, tuple[Any, ...]] = {}  # id(PreparedLaunch) -> launch plan
         self._cu_launch = d.cuLaunchKernel
         self._short = _short_calls() if hold_gil else None
@@ -638,22 +639,24 @@ class CudaDevice(Device):
         check(_driver.cuMemcpyDtoDAsync(dst.ptr, src.ptr, src.nbytes, stream_impl))
 
     # -- kernels ------------------------------------------------------------------------------
-    def _load_kernel(self, spec: KernelSpec) -> Any:
+    def _load_kernel(self, spec: KernelSpec, entry: str) -> Any:
         from streamlane.kernels import CompileError, KernelCache, NvrtcUnavailable
 
         if _bound.context is not self._context:
             self._make_current()
-        if self._kernel_cache is None:
-            self._kernel_cache = KernelCache()
-        try:
-            cubin = self._kernel_cache.get_or_compile(spec, self.arch)
-        except CompileError as exc:
-            raise KernelCompileError(exc.kernel, exc.code, exc.log) from exc
-        except NvrtcUnavailable as exc:
-            raise DeviceError(f"cannot compile kernel {spec.name!r}: {exc}") from exc
-        module = check(_driver.cuModuleLoadData(cubin))
-        self._modules.append(module)
-        return check(_driver.cuModuleGetFunction(module, spec.entry.encode()))
+        module = self._module_of.get(spec.name)
+        if module is None:  # one module per kernel, whichever of its entries comes first
+            if self._kernel_cache is None:
+                self._kernel_cache = KernelCache()
+            try:
+                cubin = self._kernel_cache.get_or_compile(spec, self.arch)
+            except CompileError as exc:
+                raise KernelCompileError(exc.kernel, exc.code, exc.log) from exc
+            except NvrtcUnavailable as exc:
+                raise DeviceError(f"cannot compile kernel {spec.name!r}: {exc}") from exc
+            module = self._module_of[spec.name] = check(_driver.cuModuleLoadData(cubin))
+            self._modules.append(module)
+        return check(_driver.cuModuleGetFunction(module, entry.encode()))
 
     def _plan(self, prepared: PreparedLaunch) -> tuple[Any, ...]:
         """Everything a launch of ``prepared`` needs but its arrays, computed once.

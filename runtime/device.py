@@ -83,7 +83,7 @@ class Device(ABC):
         self.name = f"{self.kind}:{index}"
         self.stats = DeviceStats()
         self._stats_lock = threading.Lock()
-        self._functions: dict[str, Any] = {}
+        self._functions: dict[tuple[str, str], Any] = {}  # (kernel, entry) -> loaded
         self._functions_lock = threading.Lock()
         self._launch_cache: dict[Any, PreparedLaunch] = {}  # checked launches, by signature
 
@@ -258,7 +258,8 @@ class Device(ABC):
             config = spec.configure(ins, outs, resolved)
         except KernelSpecError as exc:
             raise InvalidArgument(f"kernel {kernel!r}: {exc}") from None
-        return PreparedLaunch(self, spec, config, resolved, self._function(spec))
+        return PreparedLaunch(self, spec, config, resolved,
+                              self._function(spec, config.entry or spec.entry))
 
     def launch(self, kernel: str, stream: Stream, ins: Sequence[DeviceArray],
                outs: Sequence[DeviceArray], params: Mapping[str, Any] | None = None) -> None:
@@ -298,13 +299,14 @@ class Device(ABC):
         """A latch: ``hold(stream)`` blocks that stream on the device until ``release()``."""
         return Latch(self)
 
-    def _function(self, spec: KernelSpec) -> Any:
-        fn = self._functions.get(spec.name)
+    def _function(self, spec: KernelSpec, entry: str) -> Any:
+        key = (spec.name, entry)
+        fn = self._functions.get(key)
         if fn is None:
             with self._functions_lock:
-                fn = self._functions.get(spec.name)
+                fn = self._functions.get(key)
                 if fn is None:
-                    fn = self._functions[spec.name] = self._load_kernel(spec)
+                    fn = self._functions[key] = self._load_kernel(spec, entry)
         return fn
 
     # -- shared checks ----------------------------------------------------------------------
@@ -370,7 +372,7 @@ class Device(ABC):
     @abstractmethod
     def _copy_d2d(self, dst: DeviceArray, src: DeviceArray, stream_impl: Any) -> None: ...
     @abstractmethod
-    def _load_kernel(self, spec: KernelSpec) -> Any: ...
+    def _load_kernel(self, spec: KernelSpec, entry: str) -> Any: ...
     @abstractmethod
     def _launch(self, prepared: PreparedLaunch, stream_impl: Any, ins: Sequence[DeviceArray],
                 outs: Sequence[DeviceArray]) -> None: ...

@@ -407,7 +407,7 @@ def test_a_kernel_that_does_not_compile_raises_with_the_nvrtc_log(cuda_device):
     broken = dataclasses.replace(get_kernel("spin"), name="broken",
                                  source='extern "C" __global__ void sl_spin( {')
     with pytest.raises(KernelCompileError) as info:
-        cuda_device._load_kernel(broken)
+        cuda_device._load_kernel(broken, broken.entry)
     assert info.value.kernel == "broken" and info.value.log
     assert info.value.code.startswith("NVRTC_ERROR")
 

@@ -265,11 +265,17 @@ _CTYPE_OF = {"long long": ctypes.c_longlong, "float": ctypes.c_float,
              "int": ctypes.c_int}
 
 
-def _signature(spec) -> list[str]:
+def _signature(spec, entry=None) -> list[str]:
+    entry = entry or spec.entry
     m = re.search(rf'extern "C" __global__ void (?:__launch_bounds__\(\d+\)\s+)?'
-                  rf'{spec.entry}\(([^)]*)\)', spec.source)
-    assert m, f"{spec.name}: no extern \"C\" __global__ {spec.entry}"
+                  rf'{entry}\(([^)]*)\)', spec.source)
+    assert m, f"{spec.name}: no extern \"C\" __global__ {entry}"
     return [" ".join(a.split()[:-1]) for a in m.group(1).split(",") if a.strip()]
+
+
+def _entries(spec) -> list[str]:
+    return re.findall(r'extern "C" __global__ void (?:__launch_bounds__\(\d+\)\s+)?(\w+)\(',
+                      spec.source)
 
 
 def _example(name):
@@ -296,6 +302,26 @@ def test_configure_matches_the_cuda_signature(name):
         want = ctypes.c_ulonglong if arg.endswith("*") else _CTYPE_OF[arg]
         assert ctype is want, (arg, ctype)
         ctype(value)  # marshals
+    for entry in _entries(spec):  # a launch may pick any entry: the same parameters
+        assert _signature(spec, entry) == args, entry
+
+
+@pytest.mark.parametrize("name", ["softmax", "layernorm", "reduce_sum"])
+def test_row_kernels_pick_their_long_entry_by_row_length(name):
+    """Rows of LONG_ROW_COLS columns or more go to sl_<name>_long (float4 loads), shorter ones
+    to the plain entry, whose register budget lets an SM hold twice the warps."""
+    from streamlane.kernels._common import LONG_ROW_COLS, WIDE_BLOCK_COLS
+
+    spec = K.get_kernel(name)
+    assert _entries(spec) == [spec.entry, f"{spec.entry}_long"]
+    params = spec.resolve_params(None)
+    cases = [(8, None, (32, 8, 1)), (LONG_ROW_COLS - 1, None, (256, 1, 1)),
+             (LONG_ROW_COLS, f"{spec.entry}_long", (256, 1, 1)),
+             (WIDE_BLOCK_COLS + 1, f"{spec.entry}_long", (1024, 1, 1))]
+    for cols, entry, block in cases:
+        shape = (3, cols)
+        cfg = spec.configure([shape], spec.infer([shape], params), params)
+        assert (cfg.entry, cfg.block) == (entry, block), cols
 
 
 @pytest.mark.parametrize(
