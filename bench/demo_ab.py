@@ -43,9 +43,10 @@ def old_kernels(old: dict[str, str]) -> types.MappingProxyType[str, Any]:
         spec = get_kernel(name)
         float_eps = re.search(r"\bfloat eps\b", source) is not None
         warp_rows = "SL_FIRST_ROW" in source
+        long_entry = f"{spec.entry}_long(" in source
 
-        def configure(i, o, p, _c=spec.configure, _f=float_eps, _w=warp_rows):
-            return _old_launch(_c(i, o, p), _f, _w)
+        def configure(i, o, p, _c=spec.configure, _f=float_eps, _w=warp_rows, _l=long_entry):
+            return _old_launch(_c(i, o, p), _f, _w, _l)
 
         table[name] = dataclasses.replace(spec, source=source, configure=configure)
     table["gelu"] = dataclasses.replace(get_kernel("gelu"),

@@ -50,10 +50,14 @@ def extract(commit: str) -> dict[str, str]:
     return sources
 
 
-def _old_launch(c: LaunchConfig, float_eps: bool, warp_rows: bool) -> LaunchConfig:
+def _old_launch(c: LaunchConfig, float_eps: bool, warp_rows: bool,
+                long_entry: bool = False) -> LaunchConfig:
     """The launch the old sources expect: before the warp-per-row rule a block of up to 256
     threads per row, the row index from blockIdx.x alone; with it (``SL_FIRST_ROW`` in the
-    source) a warp per row up to 256 columns, else a block of 256 threads."""
+    source) a warp per row up to 256 columns, else a block of 256 threads; with a ``_long``
+    entry, this tree's rule (unchanged since that entry came)."""
+    if long_entry:
+        return c
     (rows, _), (cols, _) = c.scalars[:2]
     scalars = tuple((v, c_float if float_eps and t is c_double else t) for v, t in c.scalars)
     if warp_rows and cols <= 256:
@@ -78,9 +82,10 @@ def register_old(old: dict[str, str]) -> None:
         spec = get_kernel(name)
         float_eps = re.search(r"\bfloat eps\b", source) is not None
         warp_rows = "SL_FIRST_ROW" in source
+        long_entry = f"{spec.entry}_long(" in source
 
-        def configure(i, o, p, _c=spec.configure, _f=float_eps, _w=warp_rows):
-            return _old_launch(_c(i, o, p), _f, _w)
+        def configure(i, o, p, _c=spec.configure, _f=float_eps, _w=warp_rows, _l=long_entry):
+            return _old_launch(_c(i, o, p), _f, _w, _l)
 
         def alternative(i, o, p, _c=spec.configure):
             return _other_block(_c(i, o, p))

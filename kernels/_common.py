@@ -189,9 +189,9 @@ __device__ float sl_block_max(float v, float* scratch) {
 # time, as every row kernel read rows before. sl_row_each<true> (the "_long" entries): float4
 # loads, four in flight per thread, where one 4-byte load at a time left long rows far short
 # of the memory bandwidth (reduce_sum of (64, 1e6) at 164 GB/s on the H200,
-# bench/results/rows-probe-cuda.txt). Either way each thread visits the same elements in the
-# same order in every pass over a row (from the same pointer), so a kernel that writes
-# element j in a pass wrote only what that thread read.
+# bench/results/rows-probe-cuda.txt); sl_row_map writes with float4 stores as well. Either way
+# each thread visits the same elements in the same order in every pass over a row (from the
+# same pointer), so a kernel that writes element j in a pass wrote only what that thread read.
 ROW_EACH_CUDA = r"""
 template <typename F>
 __device__ __forceinline__ void sl_each4(F& f, long long j, const float4 q) {
@@ -225,5 +225,42 @@ __device__ __forceinline__ void sl_row_each(const float* xr, long long cols, F f
     for (; k < nv; k += n) sl_each4(f, head + 4 * k, v[k]);
     const long long j = head + 4 * nv + t;
     if (j < cols) f(j, xr[j]);
+}
+template <typename G>
+__device__ __forceinline__ float4 sl_map4(const float4 q, G& g) {
+    float4 r;  // in order: g may accumulate
+    r.x = g(q.x);
+    r.y = g(q.y);
+    r.z = g(q.z);
+    r.w = g(q.w);
+    return r;
+}
+// yr[j] = g(xr[j]) for every j < cols, each element read and written by one thread (xr may be
+// yr). Vectorized, with float4 stores too where yr is as far from a 16-byte boundary as xr
+// (always for buffers of the same shape from the pool); else as sl_row_each, storing floats.
+template <bool VEC, typename G>
+__device__ __forceinline__ void sl_row_map(const float* xr, float* yr, long long cols, G g) {
+    if (!VEC || ((((unsigned long long)xr ^ (unsigned long long)yr) & 15u) != 0)) {
+        sl_row_each<VEC>(xr, cols, [&](long long j, float v) { yr[j] = g(v); });
+        return;
+    }
+    const long long t = threadIdx.x, n = blockDim.x;
+    long long head = (long long)(((16u - ((unsigned)(unsigned long long)xr & 15u)) & 15u) >> 2);
+    if (head > cols) head = cols;
+    if (t < head) yr[t] = g(xr[t]);
+    const float4* v = reinterpret_cast<const float4*>(xr + head);
+    float4* w = reinterpret_cast<float4*>(yr + head);
+    const long long nv = (cols - head) >> 2;
+    long long k = t;
+    for (; k + 3 * n < nv; k += 4 * n) {
+        const float4 a = v[k], b = v[k + n], c = v[k + 2 * n], d = v[k + 3 * n];
+        w[k] = sl_map4(a, g);
+        w[k + n] = sl_map4(b, g);
+        w[k + 2 * n] = sl_map4(c, g);
+        w[k + 3 * n] = sl_map4(d, g);
+    }
+    for (; k < nv; k += n) w[k] = sl_map4(v[k], g);
+    const long long j = head + 4 * nv + t;
+    if (j < cols) yr[j] = g(xr[j]);
 }
 """

@@ -47,16 +47,16 @@ __device__ __forceinline__ void sl_softmax_rows(const float* x, float* out, long
         sl_row_each<VEC>(xr, cols, [&](long long, float v) { mx = fmaxf(mx, v); });
         mx = sl_block_max(mx, (float*)scratch);
         double s = 0.0;
-        sl_row_each<VEC>(xr, cols, [&](long long j, float v) {
+        sl_row_map<VEC>(xr, yr, cols, [&](float v) {
             const float e = expf(v - mx);
-            yr[j] = e;
             s += e;
+            return e;
         });
         const double inv = 1.0 / sl_block_sum(s, scratch);
         // Vectorized, pass 3 walks yr, whose elements may fall to other threads than in pass
         // 2 (yr and xr may differ in alignment): a warp's reduction has no barrier, so one.
         if (VEC && blockDim.x == 32) __syncwarp();
-        sl_row_each<VEC>(yr, cols, [&](long long j, float v) { yr[j] = (float)(v * inv); });
+        sl_row_map<VEC>(yr, yr, cols, [&](float v) { return (float)(v * inv); });
     }
 }
 extern "C" __global__ void sl_softmax(const float* x, float* out, long long rows, long long cols) {
@@ -90,7 +90,7 @@ __device__ __forceinline__ void sl_layernorm_rows(const float* x, float* out, lo
         });
         const double var = sl_block_sum(q, scratch) / (double)cols;
         const double inv = 1.0 / sqrt(var + eps);
-        sl_row_each<VEC>(xr, cols, [&](long long j, float v) { yr[j] = (float)((v - m) * inv); });
+        sl_row_map<VEC>(xr, yr, cols, [&](float v) { return (float)((v - m) * inv); });
     }
 }
 extern "C" __global__ void sl_layernorm(const float* x, float* out, long long rows, long long cols,
