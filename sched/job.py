@@ -126,6 +126,7 @@ class Job:
         "_start_event",
         "_state",
         "_stream_key",
+        "_taken",
         "_track_handle",
         "event",
         "id",
@@ -159,6 +160,7 @@ class Job:
         self._loop_owned = False  # kept by the loop for its poll, not yet given to the waiter
         self._parked = False  # held back for the loop thread to enqueue (Scheduler._enqueue)
         self._is_published = False
+        self._taken = False  # its fate decided: a lane runs it, or the loop abandoned it
         self._publish_event: threading.Event | None = None  # made only if someone must wait
         # Read by the lane, dropped once enqueued, so a long chain of after= jobs does not keep
         # every earlier job (and its buffers) alive:
@@ -262,6 +264,27 @@ class Job:
                 self._publish_event = threading.Event()
             event = self._publish_event
         return event.wait(timeout)
+
+    def _take(self) -> bool:
+        """The lane (or the loop's inline enqueue) takes the job to run it; False if the loop
+        abandoned it first (``_abandon``)."""
+        with _PUBLISH_LOCK:
+            if self._taken:
+                return False
+            self._taken = True
+            return True
+
+    def _abandon(self, error: BaseException) -> bool:
+        """Loop thread: publish ``error`` as the job's outcome unless a lane has taken it.
+        For a job whose hand-over to its lane an exception interrupted: it may sit in the
+        lane's queue or nowhere; either way no lane runs it now, and jobs ordered after it see
+        it failed instead of waiting for it forever."""
+        with _PUBLISH_LOCK:
+            if self._taken:
+                return False
+            self._taken = True
+        self._publish(None, None, error)
+        return True
 
     def _publish(self, event: Event | None, results: list[Result] | None,
                  error: BaseException | None) -> None:

@@ -308,6 +308,10 @@ class Lane:
         """Enqueue ``job`` on the device and publish it; True once it is in flight (False: it
         failed or was cancelled before reaching the device, and is reported as such)."""
         core = self._core
+        if not job._take():  # abandoned by the loop (Scheduler._abandon), which settled it
+            with self._lock:
+                self._queued -= 1
+            return False
         if self._refused(job):
             return False
         guard = None

@@ -441,44 +441,64 @@ class Scheduler:
         if previous is not None and previous.lane is not lane and previous not in host_waits:
             host_waits.append(previous)  # one thread at a time drives a method
         job = Job(next(self._ids), method, values, lane, stream, tuple(host_waits), device_waits)
-        if state is None:
-            state = self._methods[method] = _MethodState(
-                lane, weakref.ref(job), all(step.kind == "kernel" for step in
-                                            method.definition.steps),
-                len(method.definition.steps) + 4)
-            lane.methods_bound += 1
-        else:
-            if state.lane is not lane:
-                state.lane.methods_bound -= 1
-                lane.methods_bound += 1
-                state.lane = lane
-            state.last = weakref.ref(job)
-        job._calls = state.calls
-        # Nothing pending here does not mean nothing to wait for: a dependency may be a job of
-        # another scheduler, not yet enqueued; the loop must never wait for it.
-        inline = stream is not None and self.inline and not self._pending and \
-            self._can_run_inline(method, values, state.kernels_only) and \
-            (not host_waits or all(dep._is_published for dep in host_waits))
+        lone = not self._pending
         self._pending.add(job)
         lane.outstanding += 1
-        stall = self._count_stream(job, 1) if self._queues is not None else None
-        if inline:
-            lane.park(job)
-            if awaited:
-                self._run_inline(job)
+        try:  # an exception from here on (Ctrl-C) must not leave the job counted and stranded
+            if state is None:
+                state = self._methods[method] = _MethodState(
+                    lane, weakref.ref(job), all(step.kind == "kernel" for step in
+                                                method.definition.steps),
+                    len(method.definition.steps) + 4)
+                lane.methods_bound += 1
             else:
-                # Held back until its await (or the loop's next turn): if another submit comes
-                # first, this was the head of a burst, better enqueued by the lane thread while
-                # the loop submits the rest (bench/NOTES.md).
-                job._parked = True
-                self._parked = job
-                self.waker.call_soon(self.start_parked)
-        else:
-            lane.put(job)
-            self._check_loop_job_slot(lane)
+                if state.lane is not lane:
+                    state.lane.methods_bound -= 1
+                    lane.methods_bound += 1
+                    state.lane = lane
+                state.last = weakref.ref(job)
+            job._calls = state.calls
+            # Nothing pending here does not mean nothing to wait for: a dependency may be a job
+            # of another scheduler, not yet enqueued; the loop must never wait for it.
+            inline = stream is not None and self.inline and lone and \
+                self._can_run_inline(method, values, state.kernels_only) and \
+                (not host_waits or all(dep._is_published for dep in host_waits))
+            stall = self._count_stream(job, 1) if self._queues is not None else None
+            if inline:
+                lane.park(job)
+                if awaited:
+                    self._run_inline(job)
+                else:
+                    # Held back until its await (or the loop's next turn): if another submit
+                    # comes first, this was the head of a burst, better enqueued by the lane
+                    # thread while the loop submits the rest (bench/NOTES.md).
+                    job._parked = True
+                    self._parked = job
+                    self.waker.call_soon(self.start_parked)
+            else:
+                lane.put(job)
+                self._check_loop_job_slot(lane)
+        except BaseException:
+            self._abandon(job)
+            raise
         if stall is not None:
             self._stall_warning(stall)
         return job
+
+    def _abandon(self, job: Job) -> None:
+        """An exception (Ctrl-C, a signal handler's ``sys.exit``) interrupted the loop while
+        it handed ``job`` to its lane: the job may sit in the lane's queue or nowhere. Unless a
+        lane took it (it runs) or it is parked (it starts as parked jobs do), it is settled as
+        cancelled now and no lane will run it; an await of it, or a job ordered after it,
+        would otherwise have waited for it forever."""
+        if self._parked is job or job._finished:
+            return
+        job._parked = False
+        error = SchedulerClosed(f"{job!r} was cancelled before it ran: an exception "
+                                f"interrupted its hand-over to lane {job.lane.index}")
+        if job._abandon(error):
+            job._not_run_state = CANCELLED
+            self.finish(job, CANCELLED, error)
 
     def _check_loop_job_slot(self, lane: Lane) -> None:
         """A job the loop keeps for its poll never holds a full lane's slot: a submit may be
@@ -602,12 +622,16 @@ class Scheduler:
         job = self._parked
         if job is None:
             return
-        self._parked = None
-        job._parked = False
-        if inline and not job._finished and not job.method.may_wait_on_host():
-            self._run_inline(job)
-        else:
-            job.lane.unpark(job)
+        try:
+            self._parked = None
+            job._parked = False
+            if inline and not job._finished and not job.method.may_wait_on_host():
+                self._run_inline(job)
+            else:
+                job.lane.unpark(job)
+        except BaseException:
+            self._abandon(job)
+            raise
 
     def _run_inline(self, job: Job) -> None:
         """Enqueue a lone job from the loop thread, and keep it for its await's poll."""

@@ -203,7 +203,7 @@ print("THREADS", lanes)
     ("scheduler", "self._unpark(inline=False)", 1, "lanes"),  # as the close begins
     ("scheduler", "lane.outstanding += 1", 5, "lanes"),  # counted, not yet queued
     ("scheduler", "lane.outstanding += 1", 4, "streams"),  # counted, not yet parked
-    ("scheduler", "job._parked = False", 2, "streams"),  # unparked, not yet started
+    ("scheduler", "if inline and not job._finished", 2, "streams"),  # unparked, not started
 ], ids=["drain-begins", "lanes-start", "close-begins", "submit-counted", "submit-counted-stream",
         "unparked"])
 @pytest.mark.parametrize("kind", ["ki", "exit"])
@@ -221,3 +221,90 @@ def test_an_interrupt_at_a_fragile_moment_still_ends_with_nothing_running(backen
         name = "KeyboardInterrupt" if kind == "ki" else "SystemExit"  # crashes the run
         assert f"RESULT raised {name}" in out.stdout or "ExceptionGroup" in out.stdout, out
     assert "THREADS []" in out.stdout, out
+
+
+CONTINUE = r"""
+import linecache, sys
+sys.path.insert(0, sys.argv[2])
+import anyio
+import numpy as np
+from sched_helpers import data, double_program
+from streamlane.runtime import Result, get_device
+from streamlane.sched import Scheduler, SchedulerClosed, scheduler
+""" + RUN + r"""
+backend, text = sys.argv[1], sys.argv[3]
+path = scheduler.__file__
+line = next(i for i, t in enumerate(linecache.getlines(path), 1) if text in t)
+hits = [0]
+
+def local(frame, event, arg):  # raise once, as a signal handler would, before that line
+    if event == "line" and frame.f_lineno == line:
+        hits[0] += 1
+        sys.settrace(None)
+        raise KeyboardInterrupt()
+    return local
+
+def trace(frame, event, arg):
+    return local if frame.f_code.co_filename == path and not hits[0] else None
+
+dev = get_device("host")
+m = double_program().method("forward", device=dev)
+stream = dev.create_stream()
+
+async def main():
+    async with Scheduler(dev, lanes=2) as sched:
+        await sched.run(m, [data(0)], lane=0)
+        x = Result.from_host(data(1), dev)
+        first = await sched.submit(m, [x], lane=0, stream=stream)  # lone: parked for the loop
+        sys.settrace(trace)
+        try:  # hands `first` to lane 0 (the burst rule), then queues its own job
+            await sched.submit(m, [data(2)], lane=0)
+            print("NOT INTERRUPTED")
+        except KeyboardInterrupt:
+            pass
+        sys.settrace(None)
+        with anyio.fail_after(10):
+            try:
+                (out,) = await first
+                assert np.array_equal(out.to_host(), 2 * data(1))
+                print("FIRST ran")
+            except SchedulerClosed:
+                print("FIRST cancelled")
+            # The method moves to lane 1: its job waits for the method's last job, which
+            # may be the one whose submit was interrupted.
+            (out,) = await sched.run(m, [data(3)], lane=1)
+            assert np.array_equal(out.to_host(), 2 * data(3))
+            print("MOVED ran")
+            after = await sched.submit(m, [data(4)], lane=1, after=[first])
+            try:
+                await after
+                print("AFTER ran")
+            except Exception as exc:
+                print("AFTER", type(exc).__name__)
+
+try:
+    run(main, backend)
+    print("RESULT returned", hits[0])
+except BaseException as exc:
+    print("RESULT raised", type(exc).__name__, exc)
+"""
+
+
+@pytest.mark.parametrize("text", [
+    "self._parked = None",  # taking the parked job to hand it over
+    "job.lane.unpark(job)",  # about to give it to its lane thread
+    "lane.put(job)",  # the new job counted, not yet queued
+    "self._check_loop_job_slot(lane)",  # queued: its lane may have taken it, or not yet
+], ids=["unpark-begins", "unpark-hands", "put", "queued"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_program_that_catches_an_interrupted_submit_can_go_on(backend, text):
+    """A job whose hand-over to its lane an interrupt cut short ran, or is settled as
+    cancelled (awaiting it raised nothing but SchedulerClosed); a later job of the same method
+    on another lane (which waits for the method's last job) runs, and so does one ordered
+    after the parked job. Before, the moved job waited forever for a job no lane would run,
+    and leaving the scheduler hung."""
+    out = _run(CONTINUE, backend, HERE, text)
+    assert "RESULT returned 1" in out.stdout, out
+    assert "FIRST ran" in out.stdout or "FIRST cancelled" in out.stdout, out
+    assert "MOVED ran" in out.stdout, out
+    assert "AFTER ran" in out.stdout or "AFTER DependencyFailed" in out.stdout, out
