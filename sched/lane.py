@@ -156,7 +156,7 @@ class Lane:
         # The loop thread's calls release the GIL as usual (Device.hold_gil off): nothing else
         # is pending, so no other thread is waiting for it, and on the H200 the GIL-holding
         # calls cost more than the releasing ones when nobody contends (11.4 vs 9.8 us).
-        if self._execute(job, None):
+        if self._execute(job, None, on_loop=True):
             if self._core.poll_s > 0:
                 # A lone job: the loop keeps it for ``await job`` to poll. Handing it to the
                 # waiter too would race the poll for the GIL the moment the event completes and
@@ -304,9 +304,11 @@ class Lane:
             if park:
                 park.wait()
 
-    def _execute(self, job: Job, lane_stream: Any) -> bool:
+    def _execute(self, job: Job, lane_stream: Any, on_loop: bool = False) -> bool:
         """Enqueue ``job`` on the device and publish it; True once it is in flight (False: it
-        failed or was cancelled before reaching the device, and is reported as such)."""
+        failed or was cancelled before reaching the device, and is reported as such).
+        ``on_loop``: the loop thread enqueues it (``run_inline``), where a ``KeyboardInterrupt``
+        or ``SystemExit`` (a signal handler) may land: the job fails with it, and it goes on."""
         core = self._core
         if not job._take():  # abandoned by the loop (Scheduler._abandon), which settled it
             with self._lock:
@@ -340,6 +342,10 @@ class Lane:
             # The start event is recorded by execute, after its own device waits (a rule-4
             # handoff, inputs from other streams): a span covers the job's work, not its waits.
             start = self._timing_event() if core.timing else None
+            job._start_event = start
+            job._stream_key = stream.key
+            if job.stream is not None:
+                job._track_handle = stream.handle
             method = job.method
             method.set_inputs(inputs)
             method.execute(start=start)
@@ -349,25 +355,25 @@ class Lane:
             # timing, a timing event recorded after it does (public: a new one per job).
             end = stream.record(self.device.create_event(timing=True)) if core.timing \
                 else method.last_event
-            job._start_event = start
-            job._stream_key = stream.key
-            if job.stream is not None:
-                job._track_handle = stream.handle
         except DeviceError as exc:
             core.break_(exc, job, "enqueuing")
             self._not_run(job, FAILED, core.broken_error() or exc)
             return False
         except BaseException as exc:  # the job's own error (bad input, closed stream, ...)
             self._not_run(job, FAILED, exc)
+            if on_loop and not isinstance(exc, Exception):
+                job._retrieved = True  # the caller gets it: not again from aclose()
+                raise  # Ctrl-C on the loop thread: never swallowed (it was, into the job)
             return False
+        else:
+            with self._lock:
+                self._queued -= 1
+                self._in_flight += 1
+                self._queued_calls += job._calls
+            job._publish(end, results, None)
         finally:
             if guard is not None:
                 guard.__exit__(None, None, None)
-        with self._lock:
-            self._queued -= 1
-            self._in_flight += 1
-            self._queued_calls += job._calls
-        job._publish(end, results, None)
         return True
 
     def _refused(self, job: Job) -> bool:

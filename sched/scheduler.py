@@ -96,11 +96,18 @@ _open_schedulers: weakref.WeakSet[Scheduler] = weakref.WeakSet()
 
 @atexit.register
 def _warn_unclosed() -> None:
+    first: Exception | None = None
     for sched in list(_open_schedulers):
-        warnings.warn(f"{sched!r} was never closed: leave its async with block (or await "
-                      f"aclose()) before the event loop ends; its lane threads end with the "
-                      f"process, and device work they queued may not have finished",
-                      ResourceWarning, stacklevel=1)
+        try:  # under -W error each one raises: report them all, raise the first
+            warnings.warn(f"{sched!r} (at {id(sched):#x}) was never closed: leave its async "
+                          f"with block (or await aclose()) before the event loop ends; its "
+                          f"lane threads end with the process, and device work they queued "
+                          f"may not have finished", ResourceWarning, stacklevel=1)
+        except Exception as exc:
+            print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
+            first = first or exc
+    if first is not None:
+        raise first
 
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -326,15 +333,27 @@ class Scheduler:
 
     def _settle_lost(self) -> None:
         """Once the lanes have exited: a job still pending that no lane published never reached
-        one. An exception raised into the loop thread between a submit counting the job and
-        queueing it (or the close handing a parked job to its lane) left it so; the exit
-        waited for it forever. It did not run: it is settled as cancelled."""
+        one, or its enqueue was cut short. An exception raised into the loop thread between a
+        submit counting the job and handing it over (where ``_abandon`` did not get to run)
+        left it so, or one inside the loop's own enqueue of a lone job; the exit waited for it
+        forever. One never taken did not run: settled as cancelled; one taken, as failed."""
         for job in list(self._pending):
             self._recover(job)
-            if not job._finished:
-                self.finish(job, CANCELLED, SchedulerClosed(
+            if job._finished:
+                continue
+            if job._abandon(SchedulerClosed(
                     f"{job!r} was cancelled before it ran: an exception interrupted its submit "
-                    f"(or the close) before it reached lane {job.lane.index}"))
+                    f"(or the close) before it reached lane {job.lane.index}")):
+                self.finish(job, CANCELLED, job._enqueue_error)
+                continue
+            # Taken to run, and cut short before it was published: as the lane reports a job
+            # that failed while it was enqueued (its stream unpinned, jobs after it released).
+            error = SchedulerClosed(f"{job!r} failed: an exception interrupted lane "
+                                    f"{job.lane.index} while it enqueued the job; part of its "
+                                    f"work may have reached the device")
+            if not job._is_published:
+                job._publish(None, None, error)
+            self.finish(job, FAILED, error)
 
     # -- submitting ---------------------------------------------------------------------------
     async def submit(self, method: Method, inputs: Sequence[Any], *, lane: int | None = None,
@@ -635,7 +654,17 @@ class Scheduler:
 
     def _run_inline(self, job: Job) -> None:
         """Enqueue a lone job from the loop thread, and keep it for its await's poll."""
-        job.lane.run_inline(job)
+        try:
+            job.lane.run_inline(job)
+        except BaseException:  # Ctrl-C on the loop thread, inside its own enqueue of the job
+            if not job._is_published:  # cut short after the lane's own handling: as it would
+                error = SchedulerClosed(f"{job!r} failed: an exception interrupted the event "
+                                        f"loop while it enqueued the job; part of its work may "
+                                        f"have reached the device")
+                job._publish(None, None, error)
+                job._retrieved = True  # the caller gets the interrupt: not this from aclose()
+                self.finish(job, FAILED, error)
+            raise
         if job._loop_owned:
             self._loop_job = job
             self._check_loop_job_slot(job.lane)

@@ -308,3 +308,98 @@ def test_a_program_that_catches_an_interrupted_submit_can_go_on(backend, text):
     assert "FIRST ran" in out.stdout or "FIRST cancelled" in out.stdout, out
     assert "MOVED ran" in out.stdout, out
     assert "AFTER ran" in out.stdout or "AFTER DependencyFailed" in out.stdout, out
+
+
+INLINE = r"""
+import linecache, sys
+sys.path.insert(0, sys.argv[2])
+import anyio
+import numpy as np
+from sched_helpers import data, double_program
+from streamlane.runtime import Result, get_device
+from streamlane.sched import Scheduler, lane
+
+backend, text, mode = sys.argv[1], sys.argv[3], sys.argv[4]
+path = lane.__file__
+line = next(i for i, t in enumerate(linecache.getlines(path), 1) if text in t)
+hits = [0]
+
+def local(frame, event, arg):  # raise once, as a signal handler would, before that line
+    if event == "line" and frame.f_lineno == line:
+        hits[0] += 1
+        sys.settrace(None)
+        raise KeyboardInterrupt()
+    return local
+
+def trace(frame, event, arg):
+    return local if frame.f_code.co_filename == path and not hits[0] else None
+
+dev = get_device("host")
+m = double_program().method("forward", device=dev)
+stream = dev.create_stream()
+
+async def main():
+    async with Scheduler(dev, lanes=2) as sched:
+        await sched.run(m, [data(0)], lane=0)
+        x = Result.from_host(data(1), dev)
+        sys.settrace(trace)  # the loop thread enqueues a lone caller-stream job itself
+        if mode == "submit":  # held back, then started on the loop's next turn
+            await sched.submit(m, [x], lane=0, stream=stream)
+            await anyio.sleep(0.1)
+            sys.settrace(None)
+            print("SWALLOWED" if hits[0] else "NOT INTERRUPTED")
+            return
+        try:
+            await sched.run(m, [x], lane=0, stream=stream)
+            print("NOT INTERRUPTED")
+        except KeyboardInterrupt:
+            print("INTERRUPT reached the caller")
+        sys.settrace(None)
+        with anyio.fail_after(10):
+            (out,) = await sched.run(m, [data(3)], lane=1)  # the method moves to lane 1
+            assert np.array_equal(out.to_host(), 2 * data(3))
+            print("MOVED ran")
+    print("EXITED", sched.pending)
+
+try:
+    anyio.run(main, backend=backend)
+except BaseException as exc:
+    print("RESULT raised", type(exc).__name__, exc)
+stream.close()
+print("STREAM destroyed" if not stream._pins else "STREAM pinned")
+import threading
+print("THREADS", [t.name for t in threading.enumerate() if t.name.startswith("streamlane-lane")
+                  or t.name.startswith("streamlane-wait")])
+"""
+
+
+@pytest.mark.parametrize("text", [
+    "method.execute(start=start)",  # nothing enqueued yet
+    "results = method.get_outputs()",  # its kernels enqueued
+    "job._publish(end, results, None)",  # counted in flight, not yet published
+    "job._loop_owned = True",  # published, not yet kept for the poll
+], ids=["before-execute", "after-execute", "before-publish", "published"])
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_an_interrupt_inside_the_loops_own_enqueue_reaches_the_caller(backend, text):
+    """A lone caller-stream job is enqueued by the loop thread itself, where a Ctrl-C may
+    land. One cut short after the enqueue left the job unpublished, so the method's next job
+    on another lane waited for it forever. Now ``run()`` raises the interrupt, the job is
+    settled, and a program that catches it can go on."""
+    out = _run(INLINE, backend, HERE, text, "run")
+    assert "INTERRUPT reached the caller" in out.stdout, out
+    assert "MOVED ran" in out.stdout and "EXITED 0" in out.stdout, out
+    assert "STREAM destroyed" in out.stdout and "THREADS []" in out.stdout, out
+
+
+@pytest.mark.parametrize("text", ["method.execute(start=start)", "results = method.get_outputs()"],
+                         ids=["before-execute", "after-execute"])
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_an_interrupt_inside_the_loops_own_enqueue_is_never_swallowed(backend, text):
+    """A job held back after ``submit()`` is enqueued by the loop on its next turn: the
+    enqueue turned a Ctrl-C landing there into the job's error, and the program, which never
+    awaited the job, went on as if nothing had happened. Now the interrupt leaves the loop
+    as from any of its callbacks (trio: inside a TrioInternalError), and nothing is left
+    running."""
+    out = _run(INLINE, backend, HERE, text, "submit")
+    assert "SWALLOWED" not in out.stdout and "NOT INTERRUPTED" not in out.stdout, out
+    assert "RESULT raised" in out.stdout and "THREADS []" in out.stdout, out
