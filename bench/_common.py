@@ -61,6 +61,26 @@ def median_us(fn: Callable[[], Any], repeats: int, inner: int,
     return statistics.median(samples)
 
 
+def kernel_us(device: Any, stream: Any, variants: list[str], in_shape: tuple[int, ...],
+              out_shape: tuple[int, ...], x: Any, y: Any, rounds: int = 2,
+              launches: int = 20) -> dict[str, float]:
+    """Device time per launch of each kernel in ``variants`` (library names) on the same
+    buffers, interleaved: ``rounds`` rounds of ``launches`` launches between two timing events,
+    after 3 warm-up launches; the best round of each."""
+    us: dict[str, list[float]] = {v: [] for v in variants}
+    for variant in variants * rounds:
+        launch = device.prepare(variant, [in_shape], [out_shape])
+        for _ in range(3):
+            launch.run(stream, [x], [y])
+        e0 = stream.record(device.create_event(timing=True))
+        for _ in range(launches):
+            launch.run(stream, [x], [y])
+        e1 = stream.record(device.create_event(timing=True))
+        e1.synchronize()
+        us[variant].append(e0.elapsed_ms(e1) / launches * 1e3)
+    return {v: min(t) for v, t in us.items()}
+
+
 def percentile(values: list[float], q: float) -> float:
     s = sorted(values)
     return s[min(len(s) - 1, int(q / 100 * len(s)))]

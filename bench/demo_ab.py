@@ -14,7 +14,6 @@ import argparse
 import dataclasses
 import json
 import os
-import re
 import statistics
 import sys
 import tempfile
@@ -27,7 +26,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 from gelu_probe import TANH_BODY
-from rows_probe import _old_launch
+from rows_probe import old_spec
 
 import streamlane.sched.demo as demo
 from streamlane.kernels import get_kernel, library
@@ -40,15 +39,7 @@ def old_kernels(old: dict[str, str]) -> types.MappingProxyType[str, Any]:
     their own names, so that programs pick them up."""
     table = dict(library.KERNELS)
     for name, source in old.items():
-        spec = get_kernel(name)
-        float_eps = re.search(r"\bfloat eps\b", source) is not None
-        warp_rows = "SL_FIRST_ROW" in source
-        long_entry = f"{spec.entry}_long(" in source
-
-        def configure(i, o, p, _c=spec.configure, _f=float_eps, _w=warp_rows, _l=long_entry):
-            return _old_launch(_c(i, o, p), _f, _w, _l)
-
-        table[name] = dataclasses.replace(spec, source=source, configure=configure)
+        table[name] = old_spec(name, source)
     table["gelu"] = dataclasses.replace(get_kernel("gelu"),
                                         source=_source("sl_gelu", ("x",), TANH_BODY, ()))
     return types.MappingProxyType(table)

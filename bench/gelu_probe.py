@@ -10,9 +10,14 @@ more than tanhf where the data comes from L2 (small arrays) or HBM (large ones).
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 import types
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _common import kernel_us
 
 from streamlane.kernels import get_kernel, library
 from streamlane.kernels.elementwise import GELU_C, GELU_K, _source
@@ -36,18 +41,8 @@ def main() -> None:
     for n in SIZES:
         x = dev.to_device(np.random.default_rng(0).standard_normal(n).astype(np.float32), s)
         y = dev.empty((n,), np.float32)
-        us: dict[str, list[float]] = {"gelu_tanh": [], "gelu": []}
-        for variant in ("gelu_tanh", "gelu") * 2:
-            launch = dev.prepare(variant, [(n,)], [(n,)])
-            for _ in range(3):
-                launch.run(s, [x], [y])
-            e0 = s.record(dev.create_event(timing=True))
-            for _ in range(20):
-                launch.run(s, [x], [y])
-            e1 = s.record(dev.create_event(timing=True))
-            e1.synchronize()
-            us[variant].append(e0.elapsed_ms(e1) / 20 * 1e3)
-        old, new = min(us["gelu_tanh"]), min(us["gelu"])
+        us = kernel_us(dev, s, ["gelu_tanh", "gelu"], (n,), (n,), x, y)
+        old, new = us["gelu_tanh"], us["gelu"]
         print(f"gelu n={n:<11d} tanh {old:9.1f} us  sigmoid {new:9.1f} us  ({new / old:.2f}x)  "
               f"{2 * 4 * n / new / 1e3:6.0f} GB/s", flush=True)
 

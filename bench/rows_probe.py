@@ -17,15 +17,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import re
 import subprocess
+import sys
 import types
 
 import numpy as np
 from cuda.bindings import driver
 
+sys.path.insert(0, os.path.dirname(__file__))
+from _common import kernel_us
+
 from streamlane.kernels import get_kernel, library
-from streamlane.kernels.spec import LaunchConfig, c_double, c_float
+from streamlane.kernels.spec import KernelSpec, LaunchConfig, c_double, c_float
 from streamlane.runtime import get_device
 from streamlane.runtime.cuda import check
 
@@ -73,25 +78,31 @@ def _other_block(c: LaunchConfig) -> LaunchConfig:
     return dataclasses.replace(c, block=(threads, 1, 1))
 
 
+def old_spec(name: str, source: str) -> KernelSpec:
+    """This tree's spec of row kernel ``name`` with ``source`` (from ``extract``), launched as
+    that source expects (an eps it declares ``float`` gets a float)."""
+    spec = get_kernel(name)
+    float_eps = re.search(r"\bfloat eps\b", source) is not None
+    warp_rows = "SL_FIRST_ROW" in source
+    long_entry = f"{spec.entry}_long(" in source
+
+    def configure(i, o, p, _c=spec.configure):
+        return _old_launch(_c(i, o, p), float_eps, warp_rows, long_entry)
+
+    return dataclasses.replace(spec, source=source, configure=configure)
+
+
 def register_old(old: dict[str, str]) -> None:
-    """Register the old sources as ``<name>_old``, launched as they expect (an eps they
-    declare ``float`` gets a float), and this tree's as ``<name>_alt`` with the other block
-    size of a long row."""
+    """Register the old sources as ``<name>_old``, and this tree's kernels as ``<name>_alt``
+    with the other block size of a long row."""
     table = dict(library.KERNELS)
     for name, source in old.items():
         spec = get_kernel(name)
-        float_eps = re.search(r"\bfloat eps\b", source) is not None
-        warp_rows = "SL_FIRST_ROW" in source
-        long_entry = f"{spec.entry}_long(" in source
-
-        def configure(i, o, p, _c=spec.configure, _f=float_eps, _w=warp_rows, _l=long_entry):
-            return _old_launch(_c(i, o, p), _f, _w, _l)
 
         def alternative(i, o, p, _c=spec.configure):
             return _other_block(_c(i, o, p))
 
-        table[f"{name}_old"] = dataclasses.replace(spec, name=f"{name}_old", source=source,
-                                                   configure=configure)
+        table[f"{name}_old"] = dataclasses.replace(old_spec(name, source), name=f"{name}_old")
         table[f"{name}_alt"] = dataclasses.replace(spec, name=f"{name}_alt",
                                                    configure=alternative)
     library.KERNELS = types.MappingProxyType(table)
@@ -135,24 +146,14 @@ def main() -> None:
             variants = [f"{name}_old", name]
             if shape[-1] > 256:
                 variants.append(f"{name}_alt")
-            us: dict[str, list[float]] = {v: [] for v in variants}
-            for variant in variants * 2:
-                launch = dev.prepare(variant, [shape], [out_shape])
-                for _ in range(3):
-                    launch.run(s, [x], [y])
-                e0 = s.record(dev.create_event(timing=True))
-                for _ in range(20):
-                    launch.run(s, [x], [y])
-                e1 = s.record(dev.create_event(timing=True))
-                e1.synchronize()
-                us[variant].append(e0.elapsed_ms(e1) / 20 * 1e3)
-            old, new = min(us[f"{name}_old"]), min(us[name])
+            us = kernel_us(dev, s, variants, shape, out_shape, x, y)
+            old, new = us[f"{name}_old"], us[name]
             traffic = x.nbytes * (1 if name == "reduce_sum" else 2)
             line = (f"{name:10s} {shape!s:18s} old {old:9.1f} us  new {new:9.1f} us  "
                     f"({new / old:.2f}x)  {traffic / new / 1e3:7.0f} GB/s")
             if f"{name}_alt" in us:
                 threads = dev.prepare(name, [shape], [out_shape]).config.block[0]
-                alt = min(us[f"{name}_alt"])
+                alt = us[f"{name}_alt"]
                 other = 256 if threads == 1024 else 1024
                 line += f"  [{threads} threads; {other} threads: {alt / new:.2f}x]"
             print(line, flush=True)

@@ -144,6 +144,25 @@ def _run(script: str, *args: str) -> subprocess.CompletedProcess[str]:
                           timeout=60)
 
 
+# Raises `error` the `nth` time the line holding `text` in the module file `path` is about to
+# run, as a signal handler raises between two bytecodes (sys.settrace line events). Set
+# `path`, `text`, `nth` and `error` first; `sys.settrace(trace)` arms it.
+RAISE_AT = r"""
+line = next(i for i, t in enumerate(linecache.getlines(path), 1) if text in t)
+hits = [0]
+
+def local(frame, event, arg):
+    if event == "line" and frame.f_lineno == line:
+        hits[0] += 1
+        if hits[0] == nth:
+            sys.settrace(None)
+            raise error()
+    return local
+
+def trace(frame, event, arg):
+    return local if frame.f_code.co_filename == path and hits[0] < nth else None
+"""
+
 INJECT = r"""
 import linecache, sys, threading
 sys.path.insert(0, sys.argv[2])
@@ -156,20 +175,7 @@ backend, where, text, nth = sys.argv[1], sys.argv[3], sys.argv[4], int(sys.argv[
 error = SystemExit if sys.argv[6] == "exit" else KeyboardInterrupt
 module = {"waker": _wakeup, "scheduler": scheduler}[where]
 path = module.__file__
-line = next(i for i, t in enumerate(linecache.getlines(path), 1) if text in t)
-hits = [0]
-
-def local(frame, event, arg):  # raise once, as a signal handler would, before that line
-    if event == "line" and frame.f_lineno == line:
-        hits[0] += 1
-        if hits[0] == nth:
-            sys.settrace(None)
-            raise error()
-    return local
-
-def trace(frame, event, arg):
-    return local if frame.f_code.co_filename == path and hits[0] < nth else None
-
+""" + RAISE_AT + r"""
 dev = get_device("host")
 m = double_program().method("forward", device=dev)
 streams = [None] * 3
@@ -232,21 +238,9 @@ from sched_helpers import data, double_program
 from streamlane.runtime import Result, get_device
 from streamlane.sched import Scheduler, SchedulerClosed, scheduler
 """ + RUN + r"""
-backend, text = sys.argv[1], sys.argv[3]
+backend, text, nth, error = sys.argv[1], sys.argv[3], 1, KeyboardInterrupt
 path = scheduler.__file__
-line = next(i for i, t in enumerate(linecache.getlines(path), 1) if text in t)
-hits = [0]
-
-def local(frame, event, arg):  # raise once, as a signal handler would, before that line
-    if event == "line" and frame.f_lineno == line:
-        hits[0] += 1
-        sys.settrace(None)
-        raise KeyboardInterrupt()
-    return local
-
-def trace(frame, event, arg):
-    return local if frame.f_code.co_filename == path and not hits[0] else None
-
+""" + RAISE_AT + r"""
 dev = get_device("host")
 m = double_program().method("forward", device=dev)
 stream = dev.create_stream()
@@ -320,20 +314,9 @@ from streamlane.runtime import Result, get_device
 from streamlane.sched import Scheduler, lane
 
 backend, text, mode = sys.argv[1], sys.argv[3], sys.argv[4]
+nth, error = 1, KeyboardInterrupt
 path = lane.__file__
-line = next(i for i, t in enumerate(linecache.getlines(path), 1) if text in t)
-hits = [0]
-
-def local(frame, event, arg):  # raise once, as a signal handler would, before that line
-    if event == "line" and frame.f_lineno == line:
-        hits[0] += 1
-        sys.settrace(None)
-        raise KeyboardInterrupt()
-    return local
-
-def trace(frame, event, arg):
-    return local if frame.f_code.co_filename == path and not hits[0] else None
-
+""" + RAISE_AT + r"""
 dev = get_device("host")
 m = double_program().method("forward", device=dev)
 stream = dev.create_stream()
