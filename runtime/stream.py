@@ -55,7 +55,7 @@ class Stream:
         self._impl = impl
         self._keepalive = keepalive  # the foreign object we borrow from, kept alive while used
         self._closed = False
-        self._pins: list[None] = []  # one per promise of work not yet enqueued (pin / unpin)
+        self._pins: list[object] = []  # one token per promise of work not yet enqueued (pin)
         self._close_pending = False  # close() came while pinned: it happens at the last unpin
         # Identity of the device queue. A per-thread stream is its thread's own queue, and a
         # thread's id is reused once the thread ends; an owned stream's handle may be handed out
@@ -135,24 +135,32 @@ class Stream:
         """True once ``close()`` was called (a pinned stream is destroyed at its last unpin)."""
         return self._closed or self._close_pending
 
-    def pin(self) -> None:
+    def pin(self, token: object = None) -> None:
         """Promise work to this stream that is enqueued later (a scheduler job submitted with
         ``stream=``): a ``close()`` before the matching ``unpin()`` takes effect then, so the
-        promised work still runs. Raises ``StreamClosed`` if it is already closed."""
-        self._pins.append(None)  # list operations are atomic: no lock on a job's path
-        if self._closed or self._close_pending:
-            self.unpin()
+        promised work still runs. Raises ``StreamClosed`` if it is already closed. ``token``
+        (any object) names this promise for ``unpin(token)``; without one it is anonymous."""
+        self._pins.append(token)  # list operations are atomic: no lock on a job's path
+        closed = self._closed or self._close_pending
+        if closed:
+            self.unpin(token)
             raise StreamClosed(f"{self!r} is closed; create a new stream with "
                                f"device.create_stream()")
 
-    def unpin(self) -> None:
-        """The promised work is enqueued (or will never be): see ``pin()``."""
+    def unpin(self, token: object = None) -> None:
+        """The promised work is enqueued (or will never be): see ``pin()``, with its token."""
         try:
-            self._pins.pop()
-        except IndexError:
+            self._pins.remove(token)
+        except ValueError:
             raise InvalidState(f"{self!r}: unpin() without a matching pin()") from None
         if self._close_pending and not self._pins:
             self._close_now()
+
+    def _release_pin(self, token: object) -> None:
+        """``unpin(token)`` if that promise is still held: for a caller whose ``pin(token)`` an
+        exception (a Ctrl-C) may have cut short before or after it took the pin."""
+        if token in self._pins:
+            self.unpin(token)
 
     def __enter__(self) -> Stream:
         return self

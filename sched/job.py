@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from streamlane.runtime import Stream
 from streamlane.runtime.errors import InvalidArgument, InvalidState
 
 if TYPE_CHECKING:
@@ -121,6 +120,7 @@ class Job:
         "_loop_owned",
         "_not_run_state",
         "_parked",
+        "_pin",
         "_publish_event",
         "_retrieved",
         "_start_event",
@@ -139,7 +139,8 @@ class Job:
     )
 
     def __init__(self, id: int, method: Method, inputs: list[Any], lane: Lane, stream: Any,
-                 host_waits: tuple[Job, ...], device_waits: tuple[Job, ...]):
+                 host_waits: tuple[Job, ...], device_waits: tuple[Job, ...],
+                 pin: object = None):
         self.id = id
         self.method = method
         self.name: str = method.name
@@ -159,6 +160,7 @@ class Job:
         self._claimed = False  # settled by a thread of its lane (or the loop: Lane.poll)
         self._loop_owned = False  # kept by the loop for its poll, not yet given to the waiter
         self._parked = False  # held back for the loop thread to enqueue (Scheduler._enqueue)
+        self._pin = pin  # the token of its caller stream's pin (Scheduler._submit), or None
         self._is_published = False
         self._taken = False  # its fate decided: a lane runs it, or the loop abandoned it
         self._publish_event: threading.Event | None = None  # made only if someone must wait
@@ -298,8 +300,8 @@ class Job:
             event = self._publish_event
         if event is not None:
             event.set()
-        if isinstance(self.stream, Stream):  # pinned at submit (Scheduler._submit)
-            self.stream.unpin()
+        if self._pin is not None:  # pinned at submit (Scheduler._submit)
+            self.stream.unpin(self._pin)
 
     # -- loop side ------------------------------------------------------------------------
     def _finish(self, state: str, error: BaseException | None = None) -> bool:

@@ -426,13 +426,25 @@ class Scheduler:
             if lane is None and state is not None and state.lane is not target:
                 slots.release()
                 return await self._submit(method, inputs, None, after, stream, awaited)
-        if isinstance(stream, Stream):
-            try:  # the job will run on it: a close() from now on waits for its enqueue
-                stream.pin()
-            except StreamClosed:  # closed meanwhile (while we waited for room, or elsewhere)
+        # The room taken and the stream's pin belong to this submit until _enqueue puts the job
+        # in `ticket`; from then on to the job (its settle gives them back), so that neither
+        # is lost to an error (a Ctrl-C) in between, nor given back twice.
+        ticket: list[Job] = []
+        pin = object() if isinstance(stream, Stream) else None
+        try:
+            if pin is not None:
+                try:  # the job will run on it: a close() from now on waits for its enqueue
+                    stream.pin(pin)
+                except StreamClosed:  # closed meanwhile (while we waited for room, or elsewhere)
+                    raise _closed_stream_given(stream) from None
+            return self._enqueue(method, values, target, after_jobs, stream, state, awaited,
+                                 ticket, pin)
+        except BaseException:
+            if not ticket:
                 slots.release()
-                raise _closed_stream_given(stream) from None
-        return self._enqueue(method, values, target, after_jobs, stream, state, awaited)
+                if pin is not None:
+                    stream._release_pin(pin)
+            raise
 
     async def run(self, method: Method, inputs: Sequence[Any], *, lane: int | None = None,
                   after: Sequence[Job] = (), stream: Any = None) -> list[Result]:
@@ -447,7 +459,8 @@ class Scheduler:
         return await job
 
     def _enqueue(self, method: Method, values: list[Any], lane: Lane, after: tuple[Job, ...],
-                 stream: Any, state: _MethodState | None, awaited: bool) -> Job:
+                 stream: Any, state: _MethodState | None, awaited: bool,
+                 ticket: list[Job], pin: object) -> Job:
         if self._parked is not None:  # a burst (or a job parked while this submit waited for
             self._unpark(inline=False)  # room): it goes to the lane thread, ahead of this job
         producers = tuple(v.job for v in values if type(v) is JobOutput)
@@ -459,11 +472,13 @@ class Scheduler:
         previous = state.last() if state is not None else None
         if previous is not None and previous.lane is not lane and previous not in host_waits:
             host_waits.append(previous)  # one thread at a time drives a method
-        job = Job(next(self._ids), method, values, lane, stream, tuple(host_waits), device_waits)
+        job = Job(next(self._ids), method, values, lane, stream, tuple(host_waits), device_waits,
+                  pin)
         lone = not self._pending
-        self._pending.add(job)
         lane.outstanding += 1
         try:  # an exception from here on (Ctrl-C) must not leave the job counted and stranded
+            ticket.append(job)  # the job holds the submit's room and pin from here on
+            self._pending.add(job)
             if state is None:
                 state = self._methods[method] = _MethodState(
                     lane, weakref.ref(job), all(step.kind == "kernel" for step in
@@ -498,7 +513,10 @@ class Scheduler:
                 lane.put(job)
                 self._check_loop_job_slot(lane)
         except BaseException:
-            self._abandon(job)
+            if ticket:
+                self._abandon(job)  # its settle gives back the count, the room and the pin
+            else:
+                lane.outstanding -= 1  # the submit gives back the room and the pin
             raise
         if stall is not None:
             self._stall_warning(stall)

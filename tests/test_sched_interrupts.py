@@ -392,3 +392,65 @@ def test_an_interrupt_inside_the_loops_own_enqueue_is_never_swallowed(backend, t
     out = _run(INLINE, backend, HERE, text, "submit")
     assert "SWALLOWED" not in out.stdout and "NOT INTERRUPTED" not in out.stdout, out
     assert "RESULT raised" in out.stdout and "THREADS []" in out.stdout, out
+
+
+ROOM = r"""
+import linecache, sys
+sys.path.insert(0, sys.argv[2])
+import anyio
+import numpy as np
+from sched_helpers import data, double_program
+from streamlane.runtime import get_device
+from streamlane.runtime import stream as stream_module
+from streamlane.sched import Scheduler, SchedulerClosed, scheduler
+
+backend, text, nth, error = sys.argv[1], sys.argv[3], 1, KeyboardInterrupt
+path = {"scheduler": scheduler, "stream": stream_module}[sys.argv[4]].__file__
+""" + RAISE_AT + r"""
+dev = get_device("host")
+m = double_program().method("forward", device=dev)
+stream = dev.create_stream()
+
+async def main():
+    async with Scheduler(dev, lanes=2, queue_size=1) as sched:
+        await sched.run(m, [data(0)], lane=0, stream=stream)
+        sys.settrace(trace)
+        try:
+            job = await sched.submit(m, [data(1)], lane=0, stream=stream)
+            print("NOT INTERRUPTED")
+        except KeyboardInterrupt:
+            pass
+        sys.settrace(None)
+        with anyio.fail_after(10):  # one slot per lane: a slot lost would block these
+            for i in range(3):
+                (out,) = await sched.run(m, [data(2 + i)], lane=0, stream=stream)
+                assert np.array_equal(out.to_host(), 2 * data(2 + i))
+        print("ROOM ok, outstanding", sched.lanes[0].outstanding, sched.pending)
+
+try:
+    anyio.run(main, backend=backend)
+except BaseException as exc:
+    print("RESULT raised", type(exc).__name__, exc)
+print("HITS", hits[0])
+stream.close()
+print("STREAM", "destroyed" if stream._closed else f"pinned {len(stream._pins)}")
+"""
+
+
+@pytest.mark.parametrize(("where", "text"), [
+    ("scheduler", "stream.pin(pin)"),  # the room taken, the stream not yet pinned
+    ("stream", "closed = self._closed or self._close_pending"),  # inside pin(), pinned
+    ("scheduler", "return self._enqueue("),  # pinned, no job yet
+    ("scheduler", "ticket.append(job)"),  # the job made and counted, not yet holding them
+    ("scheduler", "self._pending.add(job)"),  # holding them, not yet pending
+], ids=["before-pin", "inside-pin", "before-enqueue", "counted", "holding"])
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_an_interrupted_submit_gives_back_its_room_and_its_streams_pin(backend, where, text):
+    """A submit takes room on its lane and pins a caller stream before it makes the job; an
+    interrupt before the job held them lost both: the lane had one slot less for good (with
+    queue_size=1, every later submit to it waited forever) and closing the stream never
+    destroyed it. Now the submit gives them back, or the job's settle does, once."""
+    out = _run(ROOM, backend, HERE, text, where)
+    assert "HITS 1" in out.stdout and "NOT INTERRUPTED" not in out.stdout, out
+    assert "ROOM ok, outstanding 0 0" in out.stdout, out
+    assert "RESULT raised" not in out.stdout and "STREAM destroyed" in out.stdout, out
