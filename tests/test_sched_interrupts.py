@@ -169,6 +169,13 @@ def trace(frame, event, arg):
     return local if frame.f_code.co_filename == path and hits[0] < nth else None
 """
 
+# A host device, the doubling program's method and one caller stream (the scripts below).
+SETUP = r"""
+dev = get_device("host")
+m = double_program().method("forward", device=dev)
+stream = dev.create_stream()
+"""
+
 INJECT = r"""
 import linecache, sys, threading
 sys.path.insert(0, sys.argv[2])
@@ -246,11 +253,7 @@ from streamlane.sched import Scheduler, SchedulerClosed, scheduler
 """ + RUN + r"""
 backend, text, nth, error = sys.argv[1], sys.argv[3], 1, KeyboardInterrupt
 path = scheduler.__file__
-""" + RAISE_AT + r"""
-dev = get_device("host")
-m = double_program().method("forward", device=dev)
-stream = dev.create_stream()
-
+""" + RAISE_AT + SETUP + r"""
 async def main():
     async with Scheduler(dev, lanes=2) as sched:
         await sched.run(m, [data(0)], lane=0)
@@ -322,11 +325,7 @@ from streamlane.sched import Scheduler, lane
 backend, text, mode = sys.argv[1], sys.argv[3], sys.argv[4]
 nth, error = 1, KeyboardInterrupt
 path = lane.__file__
-""" + RAISE_AT + r"""
-dev = get_device("host")
-m = double_program().method("forward", device=dev)
-stream = dev.create_stream()
-
+""" + RAISE_AT + SETUP + r"""
 async def main():
     async with Scheduler(dev, lanes=2) as sched:
         await sched.run(m, [data(0)], lane=0)
@@ -406,11 +405,7 @@ from streamlane.sched import Scheduler, SchedulerClosed, scheduler
 
 backend, text, nth, error = sys.argv[1], sys.argv[3], 1, KeyboardInterrupt
 path = {"scheduler": scheduler, "stream": stream_module}[sys.argv[4]].__file__
-""" + RAISE_AT + r"""
-dev = get_device("host")
-m = double_program().method("forward", device=dev)
-stream = dev.create_stream()
-
+""" + RAISE_AT + SETUP + r"""
 async def main():
     async with Scheduler(dev, lanes=2, queue_size=1) as sched:
         await sched.run(m, [data(0)], lane=0, stream=stream)
