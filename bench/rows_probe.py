@@ -119,6 +119,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--extract", metavar="COMMIT", help="print COMMIT's sources as JSON")
     parser.add_argument("--old", metavar="FILE", help="the JSON --extract printed")
+    parser.add_argument("--shapes", metavar="RxC,...",
+                        help="rows x cols to time instead of the built-in list, e.g. 64x1000000")
     args = parser.parse_args()
     if args.extract:
         print(json.dumps(extract(args.extract)))
@@ -137,7 +139,9 @@ def main() -> None:
             launch = dev.prepare(variant, [shape], [out_shape])
             entry = launch.config.entry or spec.entry
             print(f"# {variant} ({entry}): {_resources(launch.function)}")
-    for shape in SHAPES:
+    shapes = SHAPES if not args.shapes else tuple(
+        tuple(int(n) for n in item.split("x")) for item in args.shapes.split(","))
+    for shape in shapes:
         x = dev.to_device(np.random.default_rng(0).standard_normal(shape).astype(np.float32), s)
         for name in SOURCES:
             spec = get_kernel(name)
