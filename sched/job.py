@@ -107,6 +107,7 @@ class Job:
 
     __slots__ = (
         "__weakref__",
+        "_accounted",
         "_calls",
         "_claimed",
         "_device_waits",
@@ -172,6 +173,7 @@ class Job:
         # Loop side:
         self._done: anyio.Event | None = None  # made only if someone waits before the end
         self._finished = False
+        self._accounted = False  # its room, count and pin given back (Scheduler.finish)
         self._state = QUEUED
         self._error: BaseException | None = None
         self._retrieved = False
@@ -300,8 +302,13 @@ class Job:
             event = self._publish_event
         if event is not None:
             event.set()
-        if self._pin is not None:  # pinned at submit (Scheduler._submit)
-            self.stream.unpin(self._pin)
+        pin = self._pin
+        if pin is not None:  # pinned at submit (Scheduler._submit)
+            try:
+                self.stream.unpin(pin)
+            except BaseException:  # a Ctrl-C as unpin() began: give the pin back all the same
+                self.stream._release_pin(pin)
+                raise
 
     # -- loop side ------------------------------------------------------------------------
     def _finish(self, state: str, error: BaseException | None = None) -> bool:

@@ -131,9 +131,9 @@ class Lane:
         self.waiter.start()
 
     def put(self, job: Job) -> None:
-        with self._lock:
+        with self._lock:  # counted and queued together (an interrupt between left it counted)
             self._queued += 1
-        self._jobs.put(job)
+            self._jobs.put(job)
 
     def park(self, job: Job) -> None:
         """Count ``job`` as queued for this lane while the scheduler holds it back for the loop

@@ -284,6 +284,10 @@ class Scheduler:
                     self._release_loop_job()
                     while self._pending:
                         job = next(iter(self._pending))
+                        if job._finished:  # its settle was cut short after it marked the job
+                            self.finish(job, job._state, job._error)
+                            self._pending.discard(job)
+                            continue
                         with anyio.move_on_after(_RECOVER_AFTER_S):
                             await job._wait_done()
                         self._recover(job)
@@ -340,6 +344,7 @@ class Scheduler:
         for job in list(self._pending):
             self._recover(job)
             if job._finished:
+                self.finish(job, job._state, job._error)  # gives back what a cut-short one kept
                 continue
             if job._abandon(SchedulerClosed(
                     f"{job!r} was cancelled before it ran: an exception interrupted its submit "
@@ -410,28 +415,33 @@ class Scheduler:
         assert slots is not None
         if self._loop_job is not None:
             self._settle_loop_job()
-        try:
-            slots.acquire_nowait()
-        except anyio.WouldBlock:
-            await slots.acquire()
-            try:
-                self._check_open()  # it may have closed or broken while we waited for room
-            except BaseException:
-                slots.release()
-                raise
-            # Other submits may have bound or moved the method meanwhile: its lane and its last
-            # job are read again (a stale "new method" would let two lanes drive it at once),
-            # and a submit that asked for no lane follows the method to its lane.
-            state = self._methods.get(method)
-            if lane is None and state is not None and state.lane is not target:
-                slots.release()
-                return await self._submit(method, inputs, None, after, stream, awaited)
         # The room taken and the stream's pin belong to this submit until _enqueue puts the job
         # in `ticket`; from then on to the job (its settle gives them back), so that neither
-        # is lost to an error (a Ctrl-C) in between, nor given back twice.
+        # is lost to an error (a Ctrl-C) in between. `held` is set before the room is taken
+        # where an error cannot make that wrong: at worst a cut-short take gives back one slot
+        # too many (more room on the lane), never one too few (a submit waiting forever).
         ticket: list[Job] = []
         pin = object() if isinstance(stream, Stream) else None
+        held = False
         try:
+            try:
+                held = True
+                slots.acquire_nowait()
+            except anyio.WouldBlock:
+                try:  # held stays True: an interrupt as the wait ends may come with the room
+                    await slots.acquire()
+                except anyio.get_cancelled_exc_class():
+                    held = False  # a cancelled wait gives its room back itself (anyio)
+                    raise
+                self._check_open()  # it may have closed or broken while we waited for room
+                # Other submits may have bound or moved the method meanwhile: its lane and its
+                # last job are read again (a stale "new method" would let two lanes drive it at
+                # once), and a submit that asked for no lane follows the method to its lane.
+                state = self._methods.get(method)
+                if lane is None and state is not None and state.lane is not target:
+                    slots.release()
+                    held = False
+                    return await self._submit(method, inputs, None, after, stream, awaited)
             if pin is not None:
                 try:  # the job will run on it: a close() from now on waits for its enqueue
                     stream.pin(pin)
@@ -441,7 +451,8 @@ class Scheduler:
                                  ticket, pin)
         except BaseException:
             if not ticket:
-                slots.release()
+                if held:
+                    slots.release()
                 if pin is not None:
                     stream._release_pin(pin)
             raise
@@ -682,6 +693,9 @@ class Scheduler:
                 job._publish(None, None, error)
                 job._retrieved = True  # the caller gets the interrupt: not this from aclose()
                 self.finish(job, FAILED, error)
+            elif job._enqueue_error is None and not job._finished and not job._claimed \
+                    and not job._loop_owned:  # in flight, but neither kept for the poll nor
+                job.lane._hand(job)  # with the waiter: nobody would settle it
             raise
         if job._loop_owned:
             self._loop_job = job
@@ -770,9 +784,16 @@ class Scheduler:
             self.finish(job, FAILED, self.broken_error())
 
     def finish(self, job: Job, state: str, error: BaseException | None) -> None:
-        """Settle ``job`` (loop thread)."""
-        if not job._finish(state, error):
-            return
+        """Settle ``job`` (loop thread). Its room, count and pin are given back once, even
+        if an exception (a Ctrl-C) cuts ``Job._finish`` short after it marked the job."""
+        try:
+            job._finish(state, error)
+        finally:
+            if job._finished and not job._accounted:
+                job._accounted = True
+                self._account_finished(job)
+
+    def _account_finished(self, job: Job) -> None:
         self._pending.discard(job)
         if self._loop_job is job:  # kept for its poll: let go of it (and its outputs) now
             self._loop_job = None
@@ -782,7 +803,7 @@ class Scheduler:
         lane.outstanding -= 1
         assert lane.slots is not None
         lane.slots.release()
-        if error is not None and state != CANCELLED:
+        if job._error is not None and job._state != CANCELLED:
             self._unobserved.append(job)
 
     def finish_batch(self, jobs: list[Job], error: BaseException | None) -> None:

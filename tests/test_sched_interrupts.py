@@ -449,3 +449,106 @@ def test_an_interrupted_submit_gives_back_its_room_and_its_streams_pin(backend, 
     assert "HITS 1" in out.stdout and "NOT INTERRUPTED" not in out.stdout, out
     assert "ROOM ok, outstanding 0 0" in out.stdout, out
     assert "RESULT raised" not in out.stdout and "STREAM destroyed" in out.stdout, out
+
+
+# A call from `caller` (a function of module `of`) into a function named `callee` raises, as
+# the callee starts (its RESUME: where a real signal's exception is raised); `resumed`: not
+# at its first start but at its resumption (an awaited coroutine woken up).
+CALL_INTO = r"""
+import sys, threading, time
+sys.path.insert(0, sys.argv[2])
+import anyio
+import numpy as np
+from sched_helpers import Gate, data, double_program, spin_program
+from streamlane.runtime import Result, get_device
+from streamlane.sched import Scheduler, SchedulerClosed, job as job_module, scheduler
+
+backend, case = sys.argv[1], sys.argv[3]
+callee, caller, of, resumed = {
+    "finish": ("set", "_finish", job_module, False),  # settle torn after marking the job
+    "publish": ("unpin", "_publish", job_module, False),  # published, stream not unpinned
+    "room": ("acquire", "_submit", scheduler, True),  # woken with the room, as it resumes
+}[case]
+starts, fired = {}, []
+
+def trace(frame, event, arg):
+    back = frame.f_back
+    if event != "call" or frame.f_code.co_name != callee or back is None or \
+            back.f_code.co_name != caller or back.f_code.co_filename != of.__file__:
+        return None
+    starts[id(frame)] = starts.get(id(frame), 0) + 1
+    if resumed and starts[id(frame)] < 2:
+        return None
+    sys.settrace(None)
+    fired.append(case)
+    raise KeyboardInterrupt()
+
+def watchdog():
+    time.sleep(20)
+    print("HUNG", flush=True)
+    import os
+    os._exit(3)
+
+dev = get_device("host")
+stream = dev.create_stream()
+
+async def main():
+    async with Scheduler(dev, lanes=2, queue_size=1, poll_us=0 if case == "finish" else 50) \
+            as sched:
+        m = (spin_program(20_000) if case == "publish" else double_program()).method(
+            "forward", device=dev)
+        await sched.run(m, [data(0)], lane=0)
+        if case == "room":  # lane 0's only slot held until the gate opens
+            gate = Gate(data(5))
+            held = await sched.submit(m, [gate], lane=0)
+            threading.Timer(0.2, gate.open).start()
+        job = None
+        sys.settrace(trace)
+        try:
+            if case == "publish":  # a lone job the loop enqueues itself at its await
+                job = await sched.submit(m, [Result.from_host(data(1), dev)], lane=0,
+                                         stream=stream)
+                await job
+            else:
+                await sched.run(m, [data(1)], lane=0)
+            print("NOT INTERRUPTED")
+        except KeyboardInterrupt:
+            pass
+        sys.settrace(None)
+        with anyio.fail_after(10):
+            if case == "room":
+                await held
+            if job is not None:
+                await job  # in flight: someone settles it
+            await sched.run(m, [data(2)], lane=0)  # one slot: a slot lost would block this
+        print("WENT ON, outstanding", sched.lanes[0].outstanding, "pending", sched.pending)
+
+threading.Thread(target=watchdog, daemon=True).start()
+try:
+    anyio.run(main, backend=backend)
+except BaseException as exc:
+    print("RESULT raised", type(exc).__name__)
+stream.close()
+print("FIRED", fired, "STREAM", "destroyed" if stream._closed else "pinned")
+"""
+
+
+@pytest.mark.parametrize("case", ["finish", "publish", "room"])
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_an_interrupt_at_a_real_checkpoint_leaves_nothing_stranded(backend, case):
+    """From a second review: a Ctrl-C raised where a real signal can land (as a called
+    function starts). `finish`: as a settle wakes the job's awaiter, after it marked the job
+    finished: the job stayed pending and leaving the scheduler spun forever. `publish`: as
+    the loop's own enqueue unpins the caller stream: the job was in flight but neither kept
+    for the poll nor with the waiter (its await waited forever), and the pin stayed (the
+    stream was never destroyed). `room`: as a submit waiting for room is woken with it: the
+    room was lost, so with queue_size=1 every later submit to the lane waited forever."""
+    out = _run(CALL_INTO, backend, HERE, case)
+    assert "HUNG" not in out.stdout and f"FIRED ['{case}']" in out.stdout, out
+    assert "STREAM destroyed" in out.stdout, out
+    if case == "finish" and backend == "asyncio":  # from a settle callback: out of the loop
+        assert "RESULT raised KeyboardInterrupt" in out.stdout, out
+    elif case == "finish":  # trio: a run_sync_soon callback raised
+        assert "RESULT raised TrioInternalError" in out.stdout, out
+    else:
+        assert "WENT ON, outstanding 0 pending 0" in out.stdout, out
