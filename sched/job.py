@@ -246,6 +246,8 @@ class Job:
             if self._is_published and self._enqueue_error is None:  # in flight: a short poll
                 # may beat the waiter's wakeup (and gives a job the loop kept to the waiter)
                 await self.lane.poll(self)
+            if not self._finished and self._claimed:  # counted as done, its settle posted
+                self.lane.observe(self)  # (or cut short by a Ctrl-C): settled here
             if not self._finished:
                 await self._wait_done()
         self._retrieved = True

@@ -360,10 +360,15 @@ class Lane:
             self._not_run(job, FAILED, core.broken_error() or exc)
             return False
         except BaseException as exc:  # the job's own error (bad input, closed stream, ...)
-            self._not_run(job, FAILED, exc)
             if on_loop and not isinstance(exc, Exception):
-                job._retrieved = True  # the caller gets it: not again from aclose()
-                raise  # Ctrl-C on the loop thread: never swallowed (it was, into the job)
+                # Ctrl-C on the loop thread: the caller gets it, once (it was swallowed into
+                # the job); the job fails with an error of its own, not the interrupt again.
+                self._not_run(job, FAILED, SchedulerClosed(
+                    f"{job!r} failed: a {type(exc).__name__} interrupted the event loop while "
+                    f"it enqueued the job; part of its work may have reached the device"))
+                job._retrieved = True
+                raise
+            self._not_run(job, FAILED, exc)
             return False
         else:
             with self._lock:

@@ -461,20 +461,23 @@ import anyio
 import numpy as np
 from sched_helpers import Gate, data, double_program, spin_program
 from streamlane.runtime import Result, get_device
-from streamlane.sched import Scheduler, SchedulerClosed, job as job_module, scheduler
+from streamlane.sched import Scheduler, SchedulerClosed, job as job_module, lane, scheduler
 
 backend, case = sys.argv[1], sys.argv[3]
-callee, caller, of, resumed = {
-    "finish": ("set", "_finish", job_module, False),  # settle torn after marking the job
-    "publish": ("unpin", "_publish", job_module, False),  # published, stream not unpinned
-    "room": ("acquire", "_submit", scheduler, True),  # woken with the room, as it resumes
+callee, caller, of, resumed, via = {
+    "finish": ("set", "_finish", job_module, False, None),  # torn after marking the job
+    "publish": ("unpin", "_publish", job_module, False, None),  # stream not yet unpinned
+    "room": ("acquire", "_submit", scheduler, True, None),  # woken with the room, resuming
+    "claimed": ("finish_batch", "__call__", lane, False, "_complete_on_loop"),  # after claim
+    "stored": ("set_inputs", "_execute", lane, False, None),  # the loop's own enqueue starts
 }[case]
 starts, fired = {}, []
 
 def trace(frame, event, arg):
     back = frame.f_back
     if event != "call" or frame.f_code.co_name != callee or back is None or \
-            back.f_code.co_name != caller or back.f_code.co_filename != of.__file__:
+            back.f_code.co_name != caller or back.f_code.co_filename != of.__file__ or \
+            (via and back.f_back.f_code.co_name != via):
         return None
     starts[id(frame)] = starts.get(id(frame), 0) + 1
     if resumed and starts[id(frame)] < 2:
@@ -493,8 +496,8 @@ dev = get_device("host")
 stream = dev.create_stream()
 
 async def main():
-    async with Scheduler(dev, lanes=2, queue_size=1, poll_us=0 if case == "finish" else 50) \
-            as sched:
+    poll_us = {"finish": 0, "claimed": 100_000}.get(case, 50)
+    async with Scheduler(dev, lanes=2, queue_size=1, poll_us=poll_us) as sched:
         m = (spin_program(20_000) if case == "publish" else double_program()).method(
             "forward", device=dev)
         await sched.run(m, [data(0)], lane=0)
@@ -505,7 +508,7 @@ async def main():
         job = None
         sys.settrace(trace)
         try:
-            if case == "publish":  # a lone job the loop enqueues itself at its await
+            if case in ("publish", "claimed", "stored"):  # a lone job the loop enqueues itself
                 job = await sched.submit(m, [Result.from_host(data(1), dev)], lane=0,
                                          stream=stream)
                 await job
@@ -518,8 +521,12 @@ async def main():
         with anyio.fail_after(10):
             if case == "room":
                 await held
-            if job is not None:
-                await job  # in flight: someone settles it
+            if job is not None:  # someone settles it; an error of its own, not the interrupt
+                try:
+                    await job
+                    print("JOB done")
+                except SchedulerClosed:
+                    print("JOB failed")
             await sched.run(m, [data(2)], lane=0)  # one slot: a slot lost would block this
         print("WENT ON, outstanding", sched.lanes[0].outstanding, "pending", sched.pending)
 
@@ -533,7 +540,10 @@ print("FIRED", fired, "STREAM", "destroyed" if stream._closed else "pinned")
 """
 
 
-@pytest.mark.parametrize("case", ["finish", "publish", "room"])
+# `claimed` (the loop's poll settling a job it claimed) is left out: under pytest the job is
+# often settled another way and the injection never fires (review17's r7 script reproduces it
+# on its own: a second await of the job waited forever; it returns with the fix).
+@pytest.mark.parametrize("case", ["finish", "publish", "room", "stored"])
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
 def test_an_interrupt_at_a_real_checkpoint_leaves_nothing_stranded(backend, case):
     """From a second review: a Ctrl-C raised where a real signal can land (as a called
@@ -542,7 +552,9 @@ def test_an_interrupt_at_a_real_checkpoint_leaves_nothing_stranded(backend, case
     the loop's own enqueue unpins the caller stream: the job was in flight but neither kept
     for the poll nor with the waiter (its await waited forever), and the pin stayed (the
     stream was never destroyed). `room`: as a submit waiting for room is woken with it: the
-    room was lost, so with queue_size=1 every later submit to the lane waited forever."""
+    room was lost, so with queue_size=1 every later submit to the lane waited forever.
+    `stored`: as the loop's own enqueue sets the inputs: the interrupt became the job's error,
+    raised again by every later await of it and as the cause of its dependents' errors."""
     out = _run(CALL_INTO, backend, HERE, case)
     assert "HUNG" not in out.stdout and f"FIRED ['{case}']" in out.stdout, out
     assert "STREAM destroyed" in out.stdout, out
@@ -552,3 +564,7 @@ def test_an_interrupt_at_a_real_checkpoint_leaves_nothing_stranded(backend, case
         assert "RESULT raised TrioInternalError" in out.stdout, out
     else:
         assert "WENT ON, outstanding 0 pending 0" in out.stdout, out
+    if case == "publish":
+        assert "JOB done" in out.stdout, out
+    if case == "stored":
+        assert "JOB failed" in out.stdout, out
