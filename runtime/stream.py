@@ -232,6 +232,13 @@ class CallerStream:
         _stack().append(self)
         return self
 
+    def _leave(self) -> None:
+        """Leave the guard if it is still entered (no error otherwise): for a caller whose
+        ``__exit__`` an exception (a Ctrl-C) may have cut short before or after it left."""
+        stack = _stack()
+        if self in stack:
+            stack.remove(self)
+
     def __exit__(self, *exc: object) -> None:
         stack = _stack()
         if stack and stack[-1] is self:

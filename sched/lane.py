@@ -378,7 +378,11 @@ class Lane:
             job._publish(end, results, None)
         finally:
             if guard is not None:
-                guard.__exit__(None, None, None)
+                try:
+                    guard.__exit__(None, None, None)
+                except BaseException:  # a Ctrl-C as it began (the loop's own enqueue): the
+                    guard._leave()  # loop thread must not keep the job's stream selected
+                    raise
         return True
 
     def _refused(self, job: Job) -> bool:

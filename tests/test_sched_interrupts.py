@@ -470,6 +470,7 @@ callee, caller, of, resumed, via = {
     "room": ("acquire", "_submit", scheduler, True, None),  # woken with the room, resuming
     "claimed": ("finish_batch", "__call__", lane, False, "_complete_on_loop"),  # after claim
     "stored": ("set_inputs", "_execute", lane, False, None),  # the loop's own enqueue starts
+    "guard": ("__exit__", "_execute", lane, False, None),  # as it leaves the caller stream
 }[case]
 starts, fired = {}, []
 
@@ -508,7 +509,7 @@ async def main():
         job = None
         sys.settrace(trace)
         try:
-            if case in ("publish", "claimed", "stored"):  # a lone job the loop enqueues itself
+            if case in ("publish", "claimed", "stored", "guard"):  # the loop enqueues it itself
                 job = await sched.submit(m, [Result.from_host(data(1), dev)], lane=0,
                                          stream=stream)
                 await job
@@ -529,6 +530,8 @@ async def main():
                     print("JOB failed")
             await sched.run(m, [data(2)], lane=0)  # one slot: a slot lost would block this
         print("WENT ON, outstanding", sched.lanes[0].outstanding, "pending", sched.pending)
+        from streamlane.runtime.stream import current_stream
+        print("LOOP SELECTS", current_stream(dev).kind)
 
 threading.Thread(target=watchdog, daemon=True).start()
 try:
@@ -543,7 +546,7 @@ print("FIRED", fired, "STREAM", "destroyed" if stream._closed else "pinned")
 # `claimed` (the loop's poll settling a job it claimed) is left out: under pytest the job is
 # often settled another way and the injection never fires (review17's r7 script reproduces it
 # on its own: a second await of the job waited forever; it returns with the fix).
-@pytest.mark.parametrize("case", ["finish", "publish", "room", "stored"])
+@pytest.mark.parametrize("case", ["finish", "publish", "room", "stored", "guard"])
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
 def test_an_interrupt_at_a_real_checkpoint_leaves_nothing_stranded(backend, case):
     """From a second review: a Ctrl-C raised where a real signal can land (as a called
@@ -568,3 +571,5 @@ def test_an_interrupt_at_a_real_checkpoint_leaves_nothing_stranded(backend, case
         assert "JOB done" in out.stdout, out
     if case == "stored":
         assert "JOB failed" in out.stdout, out
+    if case != "finish":  # `guard`: the loop thread kept the job's caller stream selected
+        assert "LOOP SELECTS per-thread" in out.stdout, out
