@@ -12,7 +12,13 @@ submit:
   completion path's lag per job;
 - ``wall``: the burst's wall time, against 2 ms + the last enqueue (no lag at all).
 
-Medians of 15 bursts. Usage: ``python bench/burst_phases_probe.py [--device cuda] [--n 8]``.
+``--split`` divides each job's lag into its hops: ``seen`` (the waiter's wait returned, minus
+enqueue + 2 ms: the device and the driver), ``posted`` (the waiter's report posted to the loop,
+after the spans are read) and ``ran`` (the loop ran it: its wake-up). A job the loop settles
+itself (its poll, or a later submit's query) has no waiter hops and counts only in ``lag``.
+
+Medians of 15 bursts. Usage:
+``python bench/burst_phases_probe.py [--device cuda] [--n 8] [--split]``.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import argparse
 import os
 import statistics
 import sys
+import threading
 import time
 from typing import Any
 
@@ -98,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--bursts", type=int, default=15)
+    parser.add_argument("--split", action="store_true",
+                        help="split each job's lag into the waiter's hops (see above)")
     args = parser.parse_args(argv)
     dev = get_device(args.device)
     n = args.n
@@ -108,11 +117,15 @@ def main(argv: list[str] | None = None) -> int:
 
     enqueued: dict[int, float] = {}
     settled: dict[int, float] = {}
+    seen: dict[int, float] = {}  # --split: the waiter's wait returned
+    posted: dict[int, float] = {}  # --split: the waiter posted the report
     execute = lane_module.Lane._execute
     finish = scheduler_module.Scheduler.finish
+    wait = lane_module.Lane._wait
+    settle = lane_module.Lane._settle
 
-    def timed_execute(self: Any, job: Any, lane_stream: Any) -> bool:
-        ok = execute(self, job, lane_stream)
+    def timed_execute(self: Any, job: Any, lane_stream: Any, on_loop: bool = False) -> bool:
+        ok = execute(self, job, lane_stream, on_loop)
         enqueued[job.id] = time.perf_counter()
         return ok
 
@@ -120,16 +133,33 @@ def main(argv: list[str] | None = None) -> int:
         settled.setdefault(job.id, time.perf_counter())
         finish(self, job, state, error)
 
+    def timed_wait(self: Any, job: Any) -> None:
+        wait(self, job)
+        seen[job.id] = time.perf_counter()
+
+    def timed_settle(self: Any, batch: list[Any], error: Any) -> Any:
+        report = settle(self, batch, error)  # reads the spans; the waiter posts it right after
+        if report is not None and threading.get_ident() != loop_thread[0]:
+            now = time.perf_counter()
+            for job in batch:
+                posted[job.id] = now
+        return report
+
     lane_module.Lane._execute = timed_execute  # type: ignore[method-assign]
     scheduler_module.Scheduler.finish = timed_finish  # type: ignore[method-assign]
+    loop_thread = [0]
+    if args.split:
+        lane_module.Lane._wait = timed_wait  # type: ignore[method-assign]
+        lane_module.Lane._settle = timed_settle  # type: ignore[method-assign]
 
     async def bursts(inline: bool, timing: bool) -> dict[str, float]:
         rows: list[dict[str, float]] = []
+        loop_thread[0] = threading.get_ident()
         async with Scheduler(dev, lanes=1, timing=timing, inline=inline) as sched:
             await sched.run(methods[0], [x])
             for _ in range(args.bursts):
-                enqueued.clear()
-                settled.clear()
+                for stamps in (enqueued, settled, seen, posted):
+                    stamps.clear()
                 t0 = time.perf_counter()
                 jobs = [await sched.submit(methods[i], [x], stream=streams[i])
                         for i in range(n)]
@@ -141,12 +171,25 @@ def main(argv: list[str] | None = None) -> int:
                 enq = [(enqueued[i] - t0) * 1e6 for i in ids]
                 lag = [(settled[i] - t0) * 1e6 - (e + SPIN_US) for i, e in zip(ids, enq,
                                                                                strict=True)]
-                rows.append({"submits": (submitted - t0) * 1e6, "first enqueued": enq[0],
-                             "last enqueued": enq[-1], "lag first": lag[0],
-                             "lag median": statistics.median(lag), "lag last": lag[-1],
-                             "wall": wall * 1e6,
-                             "wall - (last enqueued + spin)": wall * 1e6 - enq[-1] - SPIN_US})
-        return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+                row = {"submits": (submitted - t0) * 1e6, "first enqueued": enq[0],
+                       "last enqueued": enq[-1], "lag first": lag[0],
+                       "lag median": statistics.median(lag), "lag last": lag[-1],
+                       "wall": wall * 1e6,
+                       "wall - (last enqueued + spin)": wall * 1e6 - enq[-1] - SPIN_US}
+                if args.split:
+                    hops = [(i, e) for i, e in zip(ids, enq, strict=True)
+                            if i in seen and i in posted]
+                    row["by waiter"] = len(hops)
+                    if hops:
+                        row["seen"] = statistics.median(
+                            (seen[i] - t0) * 1e6 - e - SPIN_US for i, e in hops)
+                        row["posted"] = statistics.median((posted[i] - seen[i]) * 1e6
+                                                          for i, _ in hops)
+                        row["ran"] = statistics.median((settled[i] - posted[i]) * 1e6
+                                                       for i, _ in hops)
+                rows.append(row)
+        keys = dict.fromkeys(k for r in rows for k in r)  # a burst the loop settled alone
+        return {k: statistics.median(r[k] for r in rows if k in r) for k in keys}  # lacks hops
 
     print(wake_latencies())
     print(f"N={n} caller streams, {SPIN_US} us spins, medians of {args.bursts} bursts, "
