@@ -114,13 +114,17 @@ class Program:
             raise InvalidArgument(f"Program.load takes a path (str or os.PathLike), got "
                                   f"{type(path).__name__}")
         path = Path(path)
-        try:
-            raw = path.read_bytes()
+        try:  # never more than the limit read: the file may be huge, or endless (/dev/zero)
+            with path.open("rb") as f:
+                size = os.fstat(f.fileno()).st_size  # 0 for a pipe or a device
+                raw = b"" if size > MAX_MANIFEST_BYTES else _read_at_most(
+                    f, size + 1 if size else MAX_MANIFEST_BYTES + 1)
         except OSError as exc:
             raise InvalidProgram("", f"a readable manifest file at {path}", str(exc)) from None
-        if len(raw) > MAX_MANIFEST_BYTES:
+        if size > MAX_MANIFEST_BYTES or len(raw) > MAX_MANIFEST_BYTES:
             raise InvalidProgram("", f"a manifest of at most {MAX_MANIFEST_BYTES} bytes",
-                                 len(raw))
+                                 size if size > MAX_MANIFEST_BYTES else
+                                 f"more than {MAX_MANIFEST_BYTES} bytes")
         try:
             doc = json.loads(raw, parse_constant=_reject_constant,
                              object_pairs_hook=_unique_keys)
@@ -135,6 +139,11 @@ class Program:
     def from_manifest(cls, doc: Any, constants: Mapping[str, np.ndarray] | None = None,
                       callables: Mapping[str, StepFn] | None = None) -> Program:
         """Validate a manifest (already parsed) with its constants and callables."""
+        for what, value in (("constants", constants), ("callables", callables)):
+            if value is not None and not isinstance(value, Mapping):
+                raise InvalidArgument(f"Program.from_manifest: {what} must be a mapping of name "
+                                      f"to {'array' if what == 'constants' else 'callable'}, "
+                                      f"got {type(value).__name__}")
         return _Validator(doc, dict(constants or {}), dict(callables or {})).program()
 
     @staticmethod
@@ -238,6 +247,9 @@ class ProgramBuilder:
 
     def method(self, name: str, **inputs: tuple[str, Sequence[int]]) -> MethodBuilder:
         """Start method ``name`` with inputs given as ``name=(dtype, shape)``, in order."""
+        if name in self._methods:  # as a manifest naming it twice is refused
+            raise InvalidProgram(member_path("methods", name), "a method name not used yet in "
+                                 "this program", name)
         mb = self._methods[name] = MethodBuilder(self, name, inputs)
         return mb
 
@@ -267,28 +279,57 @@ class MethodBuilder:
         self._buffers: list[dict[str, Any]] = []
         self._steps: list[dict[str, Any]] = []
         self._outputs: list[str] = []
+        # its inputs' and buffers' (dtype, shape); constants are looked up in the parent, so
+        # one added after this method was started is usable too (_known)
         self._shapes = {k: (d, tuple(s)) for k, (d, s) in inputs.items()}
-        self._shapes.update({k: (dtype_name(v.dtype), v.shape)
-                             for k, v in parent._constants.items()})
 
-    def step(self, kernel: str, *ins: str, out: str | None = None, **params: Any) -> str:
+    def _known(self, name: Any) -> tuple[str, tuple[int, ...]] | None:
+        if not isinstance(name, str):
+            return None
+        if name in self._shapes:
+            return self._shapes[name]
+        value = self._parent._constants.get(name)
+        if value is None:
+            return None
+        try:
+            return dtype_name(value.dtype), tuple(value.shape)
+        except Exception:  # not a dtype programs take: finish() reports the constant
+            return str(value.dtype), tuple(value.shape)
+
+    def step(self, kernel: str, *ins: str, out: str | None = None,
+             shape: Sequence[int] | None = None, **params: Any) -> str:
         """Append a kernel step; its single output buffer is declared with the shape the kernel
-        infers. Returns the output's name (``out`` or a fresh one)."""
+        infers, or ``shape`` where it cannot (``fill``: no input to take it from). Returns the
+        output's name (``out`` or a fresh one)."""
         where = f"{member_path('methods', self.name)}.steps[{len(self._steps)}]"
         spec = _program_kernel(kernel, where)  # as the file validator says it
+        known = []
         for j, name in enumerate(ins):
-            if not isinstance(name, str) or name not in self._shapes:
+            decl = self._known(name)
+            if decl is None:
                 raise InvalidProgram(f"{where}.in[{j}]", "the name of an input, constant or "
                                      "earlier step's output of this method", name)
+            known.append(decl)
         try:
-            shapes = spec.infer([self._shapes[i][1] for i in ins], spec.resolve_params(params))
+            shapes = spec.infer([decl[1] for decl in known], spec.resolve_params(params))
         except KernelSpecError as exc:
             raise InvalidProgram(f"{where}.{exc.where}", exc.expected, exc.got) from None
+        if shape is not None:
+            if not isinstance(shape, (list, tuple)) or len(shapes) != 1 or (
+                    shapes[0] is not None and tuple(shapes[0]) != tuple(shape)):
+                raise InvalidProgram(f"{where}.shape", f"no shape (the output's is inferred: "
+                                     f"{list(shapes[0]) if len(shapes) == 1 else 'none'}), "
+                                     f"or the shape of {kernel}'s one output", shape)
+            shapes = [tuple(shape)]
         outs = []
-        for k, shape in enumerate(shapes):
+        for k, inferred in enumerate(shapes):
+            if inferred is None:
+                raise InvalidProgram(f"{where}.shape", f"the shape of {kernel}'s output, which "
+                                     f"it cannot infer: step({kernel!r}, out=..., shape=(...))",
+                                     None)
             name = out if (out is not None and k == 0) else f"t{len(self._steps)}_{k}"
-            dtype = self._shapes[ins[0]][0] if ins else "float32"
-            self._declare(name, dtype, shape)
+            dtype = known[0][0] if ins else "float32"
+            self._declare(name, dtype, inferred)
             outs.append(name)
         d = {"kernel": kernel, "in": list(ins), "out": outs}
         if params:
@@ -324,7 +365,7 @@ class MethodBuilder:
         self._outputs.extend(names)
 
     def _declare(self, name: str, dtype: str, shape: Sequence[int]) -> None:
-        if name not in self._shapes:
+        if self._known(name) is None:
             self._buffers.append({"name": name, "dtype": dtype, "shape": list(shape)})
             self._shapes[name] = (dtype, tuple(shape))
 
@@ -698,11 +739,24 @@ def _program_kernel(name: Any, where: str) -> KernelSpec:
     return spec
 
 
+def _read_at_most(f: Any, limit: int) -> bytes:
+    """Up to ``limit`` bytes of ``f``, in chunks: never a buffer of ``limit`` made up front."""
+    chunks, got = [], 0
+    while got < limit:
+        chunk = f.read(min(1 << 20, limit - got))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _key(key: str) -> str:
+def _key(key: Any) -> Any:
     """A manifest key as it appears in an error's JSON path: an untrusted file may use a
-    megabyte-long one. Valid names (at most 128 characters) are never cut."""
-    return key if len(key) <= 128 else key[:125] + "..."
+    megabyte-long one. Valid names (at most 128 characters) are never cut; a key that is not a
+    str (a constant named in Python) is shown as it is."""
+    return key if not isinstance(key, str) or len(key) <= 128 else key[:125] + "..."
