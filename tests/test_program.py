@@ -573,3 +573,64 @@ def test_builder_errors_are_as_precise_as_the_file_validators():
     wrong = Result.from_host(np.ones(3, np.float64), get_device("host"))
     with pytest.raises(InvalidInput, match="a Result has no astype"):
         method([wrong])
+
+
+def test_a_huge_or_endless_manifest_is_refused_before_it_is_read(tmp_path):
+    """The size limit holds before the bytes are read: a sparse file of 1 GiB, and a file that
+    never ends, are refused at once."""
+    import os
+    import time
+
+    from streamlane.runtime.program import MAX_MANIFEST_BYTES
+
+    big = tmp_path / "big.json"
+    with open(big, "wb") as f:
+        f.truncate(1 << 30)
+    started = time.perf_counter()
+    with pytest.raises(InvalidProgram, match="at most") as info:
+        Program.load(big)
+    assert info.value.got == 1 << 30
+    if os.path.exists("/dev/zero"):
+        with pytest.raises(InvalidProgram, match=f"more than {MAX_MANIFEST_BYTES}"):
+            Program.load("/dev/zero")
+    assert time.perf_counter() - started < 2
+
+
+def test_the_builder_refuses_what_a_file_would_and_takes_what_it_can():
+    """A method named twice is refused (a file naming it twice is); constant names are
+    checked as a file's are; a constant added after a method was started can be used in it;
+    ``fill``, whose output shape nothing infers, takes ``shape=``."""
+    from streamlane.runtime import get_device
+
+    b = Program.build("p")
+    b.method("f", x=("float32", [3]))
+    with pytest.raises(InvalidProgram) as info:
+        b.method("f", z=("float32", [3]))
+    assert info.value.path == "methods.f"
+    with pytest.raises(InvalidProgram) as info:
+        Program.build("p", constants={1: np.ones(2, np.float32)}).finish()
+    assert info.value.path == "constants[1]"
+    for what in ("constants", "callables"):
+        with pytest.raises(InvalidArgument, match=f"{what} must be a mapping"):
+            Program.from_manifest({"format": 1}, **{what: [np.ones(2)]})
+
+    b = Program.build("late")
+    m = b.method("f", x=("float32", [1, 2]))
+    b.constant("w", np.array([[1, 2], [3, 4]], np.float32))
+    m.output(m.step("matmul", "x", "w", out="y"))
+    host = get_device("host")
+    (y,) = b.finish().method("f", device=host)([np.ones((1, 2), np.float32)])
+    np.testing.assert_array_equal(y.to_host(), [[4, 6]])
+
+    m = Program.build("p").method("f", x=("float32", [3]))
+    with pytest.raises(InvalidProgram, match="shape=") as info:
+        m.step("fill", out="y", value=1.0)
+    assert info.value.path == "methods.f.steps[0].shape"
+    with pytest.raises(InvalidProgram) as info:
+        m.step("relu", "x", shape=(4,))
+    assert info.value.path == "methods.f.steps[0].shape"
+    b = Program.build("filled")
+    m = b.method("f", x=("float32", [3]))
+    m.output(m.step("add", "x", m.step("fill", shape=(3,), value=7.5), out="y"))
+    (y,) = b.finish().method("f", device=host)([np.ones(3, np.float32)])
+    np.testing.assert_array_equal(y.to_host(), [8.5, 8.5, 8.5])
