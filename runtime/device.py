@@ -475,9 +475,12 @@ def get_device(name: str | None = None) -> Device:
     elif key == "host":
         key = "host:0"
     kind, _, idx = key.partition(":")
-    if kind not in ("host", "cuda") or not idx.isdigit():
+    # ASCII digits only ("²".isdigit() is true), and one name per device: "cuda:01" is cuda:1
+    if kind not in ("host", "cuda") or not (idx.isascii() and idx.isdigit()):
         raise InvalidArgument(f"unknown device {name!r}{source}; valid names: "
                               f"{', '.join(BACKENDS)}")
+    key = f"{kind}:{int(idx)}"
+    idx = str(int(idx))
     with _devices_lock:
         dev = _devices.get(key)
         if dev is None:

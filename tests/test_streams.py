@@ -397,6 +397,10 @@ def test_device_selection(monkeypatch):
         get_device("tpu")
     with pytest.raises(InvalidArgument, match="valid names"):
         get_device("cuda:x")
+    for digits in ("cuda:\u00b2", "cuda:\u0661", "host:\uff10"):  # not ASCII: refused, not int()
+        with pytest.raises(InvalidArgument, match="valid names"):
+            get_device(digits)
+    assert get_device("host:00") is get_device("host:0") is get_device("host")  # one name each
     monkeypatch.setenv("STREAMLANE_DEVICE", "host")
     assert get_device().kind == "host"
     assert get_device("auto").kind == "host"
