@@ -493,8 +493,9 @@ def _check_options(options: dict[str, Any], name: str) -> dict[str, Any]:
             raise InvalidArgument(f"{name}: unknown option {key!r}; options: "
                                   f"{', '.join(OPTIONS)}")
         if not isinstance(value, bool):
-            raise InvalidArgument(f"{name}: option {key!r} must be a bool, got "
-                                  f"{type(value).__name__} {value!r}")
+            raise InvalidArgument(f"{name}: option {key!r} must be a Python bool (True or "
+                                  f"False), got {type(value).__module__}.{type(value).__name__} "
+                                  f"{value!r}; pass bool(value)")
         out[key] = value
     if out["use_shared_stream"]:
         raise NotSupported(

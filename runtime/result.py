@@ -313,12 +313,20 @@ def _dlpack(self: Result, *, stream: Any = None, max_version: Any = None,
     """DLPack export, zero-copy. ``stream`` is the consumer's stream (DLPack protocol): it is
     made to wait for this result on the device; ``-1`` means the consumer synchronizes itself.
     The buffer is not rewritten until the consumer lets go of it and its queued work is done."""
-    if copy:
-        raise InvalidArgument("Result.__dlpack__(copy=True) is not supported; call to_host() "
-                              "for a copy")
-    if dl_device is not None and tuple(dl_device) != _dlpack_device(self):
-        raise InvalidArgument(f"Result on {self.device.name} cannot be exported to DLPack "
-                              f"device {tuple(dl_device)}; call to_host() first")
+    if dl_device is not None:
+        try:
+            wanted = tuple(dl_device)
+        except TypeError:
+            wanted = ()
+        if len(wanted) != 2 or not all(isinstance(v, int) for v in wanted):
+            raise InvalidArgument(f"__dlpack__(dl_device=...) takes a (device type, device id) "
+                                  f"pair such as {_dlpack_device(self)}, got {dl_device!r}")
+        if wanted != _dlpack_device(self):
+            raise InvalidArgument(f"Result on {self.device.name} cannot be exported to DLPack "
+                                  f"device {wanted}; call to_host() first")
+    if copy and self.device.kind == "cuda":
+        raise InvalidArgument("Result.__dlpack__(copy=True) is not supported on a GPU; export "
+                              "it without a copy, or call to_host() for a host copy")
     holder = self._holder if self._holder is not None else self
     from .dlpack import KDL_CPU, KDL_CUDA, export
 
@@ -329,8 +337,15 @@ def _dlpack(self: Result, *, stream: Any = None, max_version: Any = None,
         if self.event is not None:
             self.event.synchronize()  # host consumers read at once
         view = _host_view(self, holder)
+        if copy:  # the consumer asked for memory of its own (DLPack: copy=True)
+            view = view.copy()
         if self.dtype_name == "bfloat16":  # numpy has no DLPack code for it; ours does
             return export(view.ctypes.data, self.shape, self.dtype, KDL_CPU, 0, view)
+        if copy and max_version is not None:
+            try:  # a versioned capsule says the copy is writable (numpy >= 2.1 makes one)
+                return view.__dlpack__(max_version=max_version)
+            except TypeError:
+                pass
         return view.__dlpack__()
 
     consumer = _consumer_stream(self, stream)

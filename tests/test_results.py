@@ -362,6 +362,24 @@ def test_host_dlpack_is_zero_copy_and_pins_the_buffer(host):
     np.testing.assert_array_equal(arr, 2 * x)
 
 
+def test_dlpack_arguments_are_checked_and_a_host_copy_is_one(host):
+    """``dl_device`` must be a (type, id) pair; ``copy=True`` on the host device gives the
+    consumer memory of its own (DLPack), which the next execute cannot touch."""
+    m = scaler().method("forward", device=host)
+    x = rand()
+    r = m([x])[0]
+    for bad in (1, "cpu", (1,), (1, 0, 0), (1.0, 0)):
+        with pytest.raises(InvalidArgument, match="dl_device"):
+            r.__dlpack__(dl_device=bad)
+    with pytest.raises(InvalidArgument, match="DLPack device"):
+        r.__dlpack__(dl_device=(2, 0))
+    copied = np.from_dlpack(r, copy=True)
+    assert copied.ctypes.data != r.array.ptr
+    np.testing.assert_array_equal(copied, 2 * x)
+    copied[:] = 0
+    np.testing.assert_array_equal(r.to_host(), 2 * x)
+
+
 @pytest.mark.cuda
 def test_torch_takes_results_zero_copy_without_device_sync(cuda_device):
     torch = pytest.importorskip("torch")
