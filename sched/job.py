@@ -124,6 +124,8 @@ class Job:
         "_pin",
         "_publish_event",
         "_retrieved",
+        "_span",
+        "_span_unread",
         "_start_event",
         "_state",
         "_stream_key",
@@ -135,7 +137,6 @@ class Job:
         "method",
         "name",
         "results",
-        "span",
         "stream",
     )
 
@@ -151,7 +152,8 @@ class Job:
         # back for its await, Scheduler._enqueue, is published once it starts):
         self.event: Event | None = None
         self.results: list[Result] | None = None
-        self.span: tuple[float, float] | None = None  # device start/end, s after the reference
+        self._span: tuple[float, float] | None = None  # read from its timing events (span)
+        self._span_unread = False  # settled, its timing events not read yet (Lane.read_spans)
         self._track_handle: int | None = None  # the caller stream's handle, once enqueued
         self._start_event: Event | None = None  # timing=True: the lane's to reuse once read
         self._stream_key: Any = None
@@ -188,6 +190,14 @@ class Job:
         if self._track_handle is None:
             return f"lane {self.lane.index}"
         return f"lane {self.lane.index} stream {self._track_handle:#x}"
+
+    @property
+    def span(self) -> tuple[float, float] | None:
+        """The job's device start and end, in seconds after the scheduler's reference event
+        (timing events; None without ``timing``, or until the job has finished)."""
+        if self._span_unread:
+            self.lane.read_spans()
+        return self._span
 
     @property
     def outputs(self) -> JobOutputs:

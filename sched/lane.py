@@ -31,6 +31,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -95,6 +96,11 @@ class _Core(Protocol):
     def record_span(self, span: Span) -> None: ...
 
 
+# Timed jobs the loop settles itself may wait this many for their spans to be read (~5-10 us
+# each) before the loop reads them at its next turn; fewer are read while it polls.
+UNREAD_MAX = 32
+
+
 class Lane:
     """A lane of a ``Scheduler``: ``sched.lanes[i]``. Its repr shows its state."""
 
@@ -112,6 +118,11 @@ class Lane:
         self._park = threading.Event()  # what threads wait on once the device is lost
         self._busy_s = 0.0
         self._events: list[Event] = []  # start timing events to reuse (taken by the lane thread)
+        # Timed jobs settled whose spans are not read yet (read_spans), and the lock held while
+        # they are taken and read, so an observer never sees a job half read.
+        self._unread: list[_Unread] = []
+        self._span_lock = threading.Lock()
+        self._read_scheduled = False  # the loop has a read_spans queued (call_soon)
         self.stream_handle: int | None = None
         self.startup_error: BaseException | None = None
         # Loop side (set up by the scheduler inside the running loop):
@@ -180,6 +191,8 @@ class Lane:
             deadline = time.perf_counter() + core.poll_s
             await core.checkpoint()  # yields only if the loop has not had a yield lately
             while not job._finished and not self._complete_on_loop(job):
+                if self._unread:  # earlier jobs' spans, read while the device runs this one
+                    self.read_spans()
                 if time.perf_counter() >= deadline:
                     return
                 await core.yield_to_loop()
@@ -236,8 +249,32 @@ class Lane:
         report = self._settle([job], None)
         if report is not None:
             report()  # on the loop: settle it here, now
+            # Its span is read later (read_spans): while the loop polls its next job, by the
+            # lane's threads, or when asked; at the loop's next turn once many are waiting.
+            if len(self._unread) >= UNREAD_MAX and not self._read_scheduled:
+                self._read_scheduled = True
+                self._core.waker.call_soon(self._read_spans_soon)
         job._loop_owned = False  # settled: nothing left to hand to the waiter
         return job._finished
+
+    def _read_spans_soon(self) -> None:
+        self._read_scheduled = False
+        self.read_spans()
+
+    def read_spans(self) -> None:
+        """Read the spans of the timed jobs settled so far (any thread): their device start and
+        end, ``job.span``, the scheduler's timeline and this lane's busy time. Settling a job
+        only notes its events; the thread that settled it reads them once the loop has been
+        told (the waiter, the lane thread) or at the loop's next turn (the loop), off the
+        await's path. ``job.span``, ``timeline()`` and ``statistics()`` read what is left."""
+        with self._span_lock:
+            if not self._unread:
+                return
+            unread, self._unread = self._unread, []
+            busy = self._spans(unread)
+        if busy:
+            with self._lock:
+                self._busy_s += busy
 
     def stop(self) -> None:
         """Let the threads exit once the queue is empty (they post ``exited``)."""
@@ -298,6 +335,7 @@ class Lane:
                     del job  # not held while waiting for the next one (see _run_waiter)
                     if report is not None:
                         core.waker.post(report)
+                        self.read_spans()  # while the loop wakes up
         finally:
             park = self._parking()
             self._completions.put(None)
@@ -455,10 +493,11 @@ class Lane:
             self._queued_calls -= sum(job._calls for job in batch)
         if not batch:
             return None
-        if error is None and core.timing:  # reads timing events: not under the lock
-            busy = self._spans(batch)
-            with self._lock:
-                self._busy_s += busy
+        if error is None and core.timing and core.reference is not None:
+            # Noted here, read after the loop has been told (read_spans): ~5-10 us a job.
+            unread = [_Unread(job) for job in batch if job._start_event is not None]
+            with self._span_lock:
+                self._unread += unread
         if error is not None:
             core.break_(error, batch[0], "waiting for")
             error = core.broken_error() or error
@@ -516,6 +555,7 @@ class Lane:
                 if report is not None:
                     core.waker.post(report)
                     report = None
+                    self.read_spans()  # while the loop wakes up
         finally:
             park = self._parking()
             if self.exited is not None:
@@ -543,25 +583,48 @@ class Lane:
                 time.sleep(0)  # queries keep the GIL (hold_gil): let the others run between
         event.synchronize()
 
-    def _spans(self, batch: list[Job]) -> float:
+    def _spans(self, unread: list[_Unread]) -> float:
+        """Read ``unread``'s spans (under ``_span_lock``); returns their busy time. If an
+        interrupt cuts it short, those not read yet are put back."""
         core = self._core
         ref = core.reference
         busy = 0.0
-        for job in batch:
-            start, end = job._start_event, job.event
-            if ref is None or start is None or end is None:
-                continue
-            try:
-                t0 = ref.elapsed_ms(start) / 1e3
-                t1 = ref.elapsed_ms(end) / 1e3
-            except Exception:  # timing is best effort; it never fails a job
-                continue
-            job._start_event = None
-            self._events.append(start)  # complete, read and private: free to record again
-            job.span = (t0, t1)
-            busy += t1 - t0
-            core.record_span(Span(job.id, job.name, self.index, job.track, t0, t1))
+        done = 0
+        try:
+            for note in unread:
+                job = note.job()
+                try:
+                    t0 = ref.elapsed_ms(note.start) / 1e3
+                    t1 = ref.elapsed_ms(note.end) / 1e3
+                except Exception:  # timing is best effort; it never fails a job
+                    pass
+                else:
+                    self._events.append(note.start)  # complete, read and private: reusable
+                    busy += t1 - t0
+                    core.record_span(Span(note.id, note.name, self.index, note.track, t0, t1))
+                    if job is not None:
+                        job._span = (t0, t1)
+                if job is not None:  # after its span: observers look at this without the lock
+                    job._span_unread = False
+                done += 1
+        finally:
+            if done < len(unread):
+                self._unread[:0] = unread[done:]
         return busy
+
+
+class _Unread:
+    """A settled timed job whose span is not read yet. It holds the job's two events, never the
+    job: a finished job's Results keep its buffers out of the method's pool."""
+
+    __slots__ = ("end", "id", "job", "name", "start", "track")
+
+    def __init__(self, job: Job):
+        self.job = weakref.ref(job)
+        self.id, self.name, self.track = job.id, job.name, job.track
+        self.start, self.end = job._start_event, job.event
+        job._start_event = None
+        job._span_unread = True
 
 
 _NOTHING = object()

@@ -831,16 +831,23 @@ class Scheduler:
     def statistics(self) -> tuple[LaneStatistics, ...]:
         """A frozen snapshot of every lane's counters."""
         self._release_loop_job()
+        self._read_spans()  # busy time counts every job settled so far
         return tuple(lane.statistics() for lane in self.lanes)
 
     def timeline(self) -> Timeline:
         """The device spans of the recent jobs (up to ``timeline_size``), as a ``Timeline``."""
         self._release_loop_job()
+        self._read_spans()
         return Timeline(list(self._spans), self.device.name)
 
     def clear_timeline(self) -> None:
         """Forget the spans recorded so far (to measure one phase of a longer run)."""
+        self._read_spans()  # those of jobs settled before now, not into the next phase
         self._spans.clear()
+
+    def _read_spans(self) -> None:
+        for lane in self.lanes:
+            lane.read_spans()
 
     def __repr__(self) -> str:
         state = "broken" if self._broken is not None else self._state

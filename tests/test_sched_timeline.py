@@ -6,11 +6,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import threading
 
 import anyio
 import pytest
 from sched_helpers import BACKENDS, data, spin_program
 
+from streamlane.runtime import Result
 from streamlane.runtime.errors import InvalidArgument
 from streamlane.sched import LaneStatistics, Scheduler, Span, Timeline
 
@@ -83,6 +85,68 @@ async def test_timing_events_are_reused_and_every_span_stays_right(device, monke
     assert all(a[1] <= b[0] + 1e-6 for a, b in itertools.pairwise(spans)), "spans out of order"
     assert created.count(True) <= count + 10, f"{created.count(True)} for {count} jobs"
     assert len(sched.timeline().spans) == count
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("look", ["span", "timeline", "statistics"])
+async def test_a_jobs_span_is_there_as_soon_as_its_await_returns(device, monkeypatch, look):
+    """The thread that settles a timed job tells the loop first and reads the job's span after
+    (Lane.read_spans); until it has, ``job.span``, ``timeline()`` and ``statistics()`` read it
+    themselves. Here the lane's threads are held before their read until the checks are done."""
+    from streamlane.sched.lane import Lane
+
+    held = threading.Event()
+    loop_thread = threading.get_ident()
+    real = Lane.read_spans
+
+    def read_spans(self):
+        if threading.get_ident() != loop_thread:
+            held.wait(10)
+        real(self)
+
+    monkeypatch.setattr(Lane, "read_spans", read_spans)
+    method = spin_program(2_000, "seen").method("forward", device=device)
+    with anyio.fail_after(30):
+        async with Scheduler(device, lanes=4, poll_us=0) as sched:
+            try:
+                for i in range(4):  # one per lane: a held thread settles nothing more
+                    job = await sched.submit(method, [data(i)], lane=i)
+                    await job
+                    if look == "span":
+                        assert job.span is not None and 0 <= job.span[0] < job.span[1]
+                    elif look == "timeline":
+                        assert len(sched.timeline()) == i + 1
+                    else:
+                        busy = sum(s.busy_time_s for s in sched.statistics())
+                        assert busy >= (i + 1) * 0.0015, busy
+            finally:
+                held.set()  # before the exit joins the threads
+
+
+@pytest.mark.anyio
+async def test_spans_the_loop_settles_are_read_without_anyone_asking(device, monkeypatch):
+    """Lone jobs the loop settles itself (its poll) leave their spans to be read later: while
+    it polls the next job, or at its next turn once many wait. They never pile up."""
+    from streamlane.sched.lane import UNREAD_MAX, Lane
+
+    settled_on = set()
+    real = Lane._settle
+    monkeypatch.setattr(Lane, "_settle", lambda self, batch, error: (
+        settled_on.add(threading.get_ident()), real(self, batch, error))[1])
+    method = spin_program(300, "lone").method("forward", device=device)
+    stream = device.create_stream()
+    x = Result.from_host(data(1), device)
+    most = 0
+    with anyio.fail_after(30):
+        async with Scheduler(device, lanes=1, poll_us=1e6) as sched:
+            lane = sched.lanes[0]
+            for _ in range(3 * UNREAD_MAX):
+                await sched.run(method, [x], stream=stream)
+                most = max(most, len(lane._unread))
+            assert len(sched.timeline()) == 3 * UNREAD_MAX
+            assert lane.statistics().completed == 3 * UNREAD_MAX
+    assert settled_on == {threading.get_ident()}  # the loop's poll settled every one
+    assert 0 < most <= UNREAD_MAX, most
 
 
 def test_statistics_are_frozen_dataclasses():
