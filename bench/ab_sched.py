@@ -14,7 +14,7 @@ Measures, per loop: the p50 and mean await of a lone caller-stream job (``bench_
 (a), "caller stream"), through ``run`` and through ``submit`` then ``await``; the wall time of
 bursts of 8 single-block 200 us spins on 8 caller streams, with the lane thread enqueuing them
 and by default; and the relay (500 tasks awaiting tiny programs on 4 caller streams,
-``bench_sched.py`` (c)): programs/s and the p99 await.
+``bench_sched.py`` (c)): programs/s and the p99 await. Timing events off, unless ``--timing``.
 Prints one line per figure: the median over the rounds for each version.
 """
 
@@ -58,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--loops", default="asyncio,trio")
     parser.add_argument("--only", default="lone,burst,relay")
+    parser.add_argument("--timing", action="store_true",
+                        help="schedulers with timing events on (the default's), not off")
     args = parser.parse_args(argv)
     versions: dict[str, Any] = {}
     for spec in args.version:
@@ -75,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     streams = [dev.create_stream() for _ in range(8)]
 
     async def lone(scheduler: Any, via_submit: bool) -> tuple[float, float]:
-        async with scheduler(dev, lanes=1, timing=False) as sched:
+        async with scheduler(dev, lanes=1, timing=args.timing) as sched:
             for _ in range(200):
                 await sched.run(tiny, [x], stream=streams[0])
             ns = []
@@ -89,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             return float(np.percentile(ns, 50)) / 1e3, float(np.mean(ns)) / 1e3
 
     async def burst(scheduler: Any, inline: bool) -> float:
-        async with scheduler(dev, lanes=1, timing=False, inline=inline) as sched:
+        async with scheduler(dev, lanes=1, timing=args.timing, inline=inline) as sched:
             walls = []
             for r in range(45):
                 t = time.perf_counter_ns()
@@ -103,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
 
     async def relay(scheduler: Any) -> tuple[float, float]:
         methods = [tiny_program(256).method("forward", device=dev) for _ in range(4)]
-        async with scheduler(dev, lanes=4, timing=False) as sched:
+        async with scheduler(dev, lanes=4, timing=args.timing) as sched:
             for i, method in enumerate(methods):
                 await sched.run(method, [x], stream=streams[i])
 
