@@ -398,15 +398,18 @@ class Method:
             return False
         return any(p.needs_device_wait for pool in self._pools for p in pool.buffers)
 
-    def __call__(self, values: Sequence[Any]) -> list[Result]:
-        """``set_inputs(values); execute(); return get_outputs()`` as one call: another
-        thread cannot run the method between the three (rule 4 refuses it with
+    def __call__(self, values: Sequence[Any], *, start: Event | None = None) -> list[Result]:
+        """``set_inputs(values); execute(start=start); return get_outputs()`` as one call:
+        another thread cannot run the method between the three (rule 4 refuses it with
         ``InvalidState`` instead), so the outputs are always those of ``values``."""
+        if start is not None and not isinstance(start, Event):
+            raise InvalidArgument(f"{self.name}: start= takes an Event of {self.device.name} "
+                                  f"or None, got {type(start).__name__}")
         if not self._guard.acquire(blocking=False):
             raise _busy(self, "__call__")
         try:
             self._set_inputs(values)
-            self._execute(None)
+            self._execute(start)
             return self.get_outputs()
         finally:
             self._guard.release()

@@ -385,9 +385,10 @@ class Lane:
             if job.stream is not None:
                 job._track_handle = stream.handle
             method = job.method
-            method.set_inputs(inputs)
-            method.execute(start=start)
-            results = method.get_outputs()
+            # One call, under the method's guard throughout: another thread's use of the method
+            # (another scheduler's lane, a direct m(x)) between set_inputs and execute would
+            # run this job on its inputs; it is refused with InvalidState instead (rule 4).
+            results = method(inputs, start=start)
             # Without timing, the method's own end-of-execute event (recorded last on this
             # stream; it does not move while the job holds the outputs) marks completion. With
             # timing, a timing event recorded after it does (public: a new one per job).

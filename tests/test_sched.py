@@ -722,3 +722,54 @@ async def test_a_caller_stream_closed_while_its_submit_waits_for_room_frees_the_
             assert isinstance(box.get("error"), ClosedStreamGiven), box
             (out,) = await sched.run(first, [data(2)])  # the room came back
     np.testing.assert_array_equal(out.to_host(), 2 * data(2))
+
+
+@pytest.mark.anyio
+async def test_another_thread_using_the_method_mid_job_is_refused_never_mixed_in(device,
+                                                                                monkeypatch):
+    """Rule 4 for a method a scheduler runs while another thread uses it too (a second
+    scheduler, a direct ``m(x)``): the lane holds the method from the job's inputs to its
+    outputs, so the other call is refused with ``InvalidState`` and the job computes its own
+    inputs. The lane once set the inputs and executed in two calls; a call landing between
+    them ran the job on the other thread's inputs, silently."""
+    from streamlane.runtime.method import Method
+
+    method = double_program().method("forward", device=device)
+    x, y = data(1), data(2) * 1000
+    loop_thread = threading.get_ident()
+    refused = []
+
+    def interfere():  # another thread's whole call, while the lane is mid-job
+        def call():
+            try:
+                method([y])
+            except InvalidState:
+                refused.append(True)
+            else:
+                refused.append(False)
+
+        other = threading.Thread(target=call)
+        other.start()
+        other.join()
+
+    def hooked(name):
+        real = getattr(Method, name)
+
+        def wrapper(self, *args, **kwargs):
+            result = real(self, *args, **kwargs)
+            if threading.get_ident() != loop_thread and threading.current_thread().name.startswith(
+                    "streamlane-lane"):
+                interfere()
+            return result
+
+        return wrapper
+
+    # after the inputs are in (the old two-call window), and inside the execute
+    monkeypatch.setattr(Method, "set_inputs", hooked("set_inputs"))
+    monkeypatch.setattr(Method, "_execute", hooked("_execute"))
+    with anyio.fail_after(30):
+        async with Scheduler(device, lanes=1, inline=False) as sched:
+            (out,) = await sched.run(method, [x])
+            got = out.to_host()
+    np.testing.assert_allclose(got, 2 * x, rtol=1e-6)
+    assert refused and all(refused), refused
