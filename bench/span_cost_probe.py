@@ -3,9 +3,9 @@ job skips (``Lane._spans``): two ``elapsed_ms`` against the reference event and 
 
 - warm: each piece in a tight loop on events already complete (``elapsed_ms`` both through the
   ctypes call that keeps the GIL, as the waiter makes it, and cuda.bindings', which releases it);
-- in a burst (``--in-burst``): the same pieces timed where the waiter reads them, just after it
-  wakes, during ``burst_phases_probe.py --n 4`` (its own output is printed too). Percentiles
-  over every job read.
+- in a burst (``--in-burst``): the same pieces timed where they are read (``Lane._spans`` as it
+  stands, timed), during ``burst_phases_probe.py --n 4`` (its own output is printed too).
+  Percentiles over every job read.
 
 Usage: ``python bench/span_cost_probe.py [--device cuda|host] [--in-burst]``.
 """
@@ -61,30 +61,28 @@ def in_burst(device: str) -> None:
     parts: dict[str, list[float]] = defaultdict(list)
     clock = time.perf_counter
 
-    def timed_spans(self: Any, batch: list[Any]) -> float:
+    def timed_spans(self: Any, unread: list[Any]) -> float:
         core = self._core
         ref = core.reference
         busy = 0.0
-        for job in batch:
-            start, end = job._start_event, job.event
-            if ref is None or start is None or end is None:
-                continue
+        for note in unread:
+            job = note.job()
             a = clock()
-            t0 = ref.elapsed_ms(start) / 1e3
+            t0 = ref.elapsed_ms(note.start) / 1e3
             b = clock()
-            t1 = ref.elapsed_ms(end) / 1e3
+            t1 = ref.elapsed_ms(note.end) / 1e3
             c = clock()
-            job._start_event = None
-            self._events.append(start)
-            job.span = (t0, t1)
+            self._events.append(note.start)
             busy += t1 - t0
-            name, track = job.name, job.track
+            if job is not None:
+                job._span = (t0, t1)
+                job._span_unread = False
             d = clock()
-            span = Span(job.id, name, self.index, track, t0, t1)
+            span = Span(note.id, note.name, self.index, note.track, t0, t1)
             e = clock()
             core.record_span(span)
             for key, took in (("elapsed_ms(start)", b - a), ("elapsed_ms(end)", c - b),
-                              ("name, track, bookkeeping", d - c), ("Span(...)", e - d)):
+                              ("bookkeeping", d - c), ("Span(...)", e - d)):
                 parts[key].append(took * 1e6)
         return busy
 

@@ -261,6 +261,15 @@ class Lane:
         self._read_scheduled = False
         self.read_spans()
 
+    def _read_spans_here(self) -> None:
+        """``read_spans`` on a lane's own thread: a failure there is a streamlane bug, reported
+        on the loop as a callback's would be, and must not end the thread (every later job of
+        the lane would hang)."""
+        try:
+            self.read_spans()
+        except Exception as exc:
+            self._core.waker.post(_Call(_reraise, exc))
+
     def read_spans(self) -> None:
         """Read the spans of the timed jobs settled so far (any thread): their device start and
         end, ``job.span``, the scheduler's timeline and this lane's busy time. Settling a job
@@ -335,7 +344,7 @@ class Lane:
                     del job  # not held while waiting for the next one (see _run_waiter)
                     if report is not None:
                         core.waker.post(report)
-                        self.read_spans()  # while the loop wakes up
+                        self._read_spans_here()  # while the loop wakes up
         finally:
             park = self._parking()
             self._completions.put(None)
@@ -556,7 +565,7 @@ class Lane:
                 if report is not None:
                     core.waker.post(report)
                     report = None
-                    self.read_spans()  # while the loop wakes up
+                    self._read_spans_here()  # while the loop wakes up
         finally:
             park = self._parking()
             if self.exited is not None:
@@ -629,6 +638,10 @@ class _Unread:
 
 
 _NOTHING = object()
+
+
+def _reraise(exc: Exception) -> None:
+    raise exc
 
 
 def _produced(job: Job, output: JobOutput) -> Any:

@@ -9,6 +9,7 @@ import json
 import threading
 
 import anyio
+import numpy as np
 import pytest
 from sched_helpers import BACKENDS, data, spin_program
 
@@ -227,3 +228,36 @@ def test_plot_writes_a_png_at_the_path_it_returns(tmp_path):
     with pytest.raises(InvalidArgument, match="is a directory"):
         timeline.to_chrome_trace(tmp_path / "d")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["UPPER.PNG", "d", "timeline.png"]
+
+
+@pytest.mark.anyio
+async def test_a_failing_span_read_on_a_lane_thread_ends_no_thread(device, monkeypatch):
+    """Reading spans on a lane's threads after the loop is told: a failure there (a bug) is
+    reported on the loop and the thread goes on; ended, it would hang every later job."""
+    from streamlane.sched.lane import Lane
+
+    real = Lane._spans
+    calls = []
+
+    def failing_once(self, unread):
+        calls.append(threading.current_thread().name)
+        if len(calls) == 1:
+            raise RuntimeError("a bug in reading spans")
+        return real(self, unread)
+
+    monkeypatch.setattr(Lane, "_spans", failing_once)
+    method = spin_program(500, "r").method("forward", device=device)
+    with anyio.fail_after(20):
+        async with Scheduler(device, lanes=1, poll_us=0) as sched:
+            if sched.waker.backend == "asyncio":  # reported on the loop, as a callback's error
+                import asyncio
+
+                reported = []
+                asyncio.get_running_loop().set_exception_handler(
+                    lambda loop, context: reported.append(context["exception"]))
+            for i in range(5):
+                (y,) = await sched.run(method, [data(i)])
+                np.testing.assert_array_equal(y.to_host(), data(i))
+    assert calls[0].startswith("streamlane-")
+    if sched.waker.backend == "asyncio":
+        assert [str(e) for e in reported] == ["a bug in reading spans"]
