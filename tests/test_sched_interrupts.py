@@ -362,8 +362,8 @@ print("THREADS", [t.name for t in threading.enumerate() if t.name.startswith("st
 
 
 @pytest.mark.parametrize("text", [
-    "method.execute(start=start)",  # nothing enqueued yet
-    "results = method.get_outputs()",  # its kernels enqueued
+    "results = method(inputs, start=start)",  # nothing enqueued yet
+    "end = stream.record(self.device.create_event(timing=True))",  # its kernels enqueued
     "job._publish(end, results, None)",  # counted in flight, not yet published
     "job._loop_owned = True",  # published, not yet kept for the poll
 ], ids=["before-execute", "after-execute", "before-publish", "published"])
@@ -379,7 +379,8 @@ def test_an_interrupt_inside_the_loops_own_enqueue_reaches_the_caller(backend, t
     assert "STREAM destroyed" in out.stdout and "THREADS []" in out.stdout, out
 
 
-@pytest.mark.parametrize("text", ["method.execute(start=start)", "results = method.get_outputs()"],
+@pytest.mark.parametrize("text", ["results = method(inputs, start=start)",
+                                  "end = stream.record(self.device.create_event(timing=True))"],
                          ids=["before-execute", "after-execute"])
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
 def test_an_interrupt_inside_the_loops_own_enqueue_is_never_swallowed(backend, text):
@@ -469,7 +470,7 @@ callee, caller, of, resumed, via = {
     "publish": ("unpin", "_publish", job_module, False, None),  # stream not yet unpinned
     "room": ("acquire", "_submit", scheduler, True, None),  # woken with the room, resuming
     "claimed": ("finish_batch", "__call__", lane, False, "_complete_on_loop"),  # after claim
-    "stored": ("set_inputs", "_execute", lane, False, None),  # the loop's own enqueue starts
+    "stored": ("__call__", "_execute", lane, False, None),  # the loop's own enqueue starts
     "guard": ("__exit__", "_execute", lane, False, None),  # as it leaves the caller stream
 }[case]
 starts, fired = {}, []
