@@ -15,11 +15,13 @@ timing events and written as a PNG and a Chrome/Perfetto trace.
 from __future__ import annotations
 
 import gc
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import anyio
 import numpy as np
 
 from streamlane.runtime import Device, Method, Program
@@ -97,7 +99,8 @@ async def run_demo(device: Device, requests: int, out: Path,
     rng = np.random.default_rng(2026)
     xs = [rng.standard_normal(shape).astype(np.float32) for _ in range(requests)]
     refs = []
-    for x in xs:
+    for x in xs:  # float64, on the host: ~0.1 s a request at the large size, so a Ctrl-C
+        await anyio.lowlevel.checkpoint()  # (a cancellation) gets in between two
         (y,) = run_reference(encoder, "forward", [x])
         refs.append((y, run_reference(decoder, "forward", [y])[0]))
     # Warm up outside the measured runs: kernel compilation, first allocations, and an idle
@@ -125,20 +128,27 @@ async def _run(config: str, device: Device, p: _Programs, xs: list[np.ndarray],
     # configuration's measured wall time and skew the comparison.
     gc.collect()
     async with Scheduler(device, lanes=lanes) as sched:
-        start = time.perf_counter()
-        pairs = []
-        for x in xs:
-            e = await sched.submit(p.enc, [x], lane=enc_lane, stream=streams[0])
-            d = await sched.submit(p.dec, [e.outputs[0]], lane=dec_lane, after=[e],
-                                   stream=streams[1])
-            pairs.append((e, d))
-        outputs = []
-        for i, (e, d) in enumerate(pairs):
-            outputs.append(((await e)[0], (await d)[0]))
-            if progress:
-                progress(i + 1)
-        wall = time.perf_counter() - start
-        timeline = sched.timeline()
+        try:
+            start = time.perf_counter()
+            pairs = []
+            for x in xs:
+                e = await sched.submit(p.enc, [x], lane=enc_lane, stream=streams[0])
+                d = await sched.submit(p.dec, [e.outputs[0]], lane=dec_lane, after=[e],
+                                       stream=streams[1])
+                pairs.append((e, d))
+            outputs = []
+            for i, (e, d) in enumerate(pairs):
+                outputs.append(((await e)[0], (await d)[0]))
+                if progress:
+                    progress(i + 1)
+            wall = time.perf_counter() - start
+            timeline = sched.timeline()
+        except (KeyboardInterrupt, anyio.get_cancelled_exc_class()):  # Ctrl-C (asyncio: a
+            if sched.pending:  # cancellation, then KeyboardInterrupt; trio: KeyboardInterrupt)
+                print(f"streamlane demo: interrupted; the scheduler cancels what is not on the "
+                      f"device yet and waits for what is ({sched.pending} jobs pending): "
+                      f"Ctrl-C again to stop at once", file=sys.stderr, flush=True)
+            raise
     correct, worst = 0, 0.0
     for (y, z), (y_ref, z_ref) in zip(outputs, refs, strict=True):
         for got, want in ((y.to_host(), y_ref), (z.to_host(), z_ref)):
