@@ -123,7 +123,10 @@ def _demo(args: argparse.Namespace) -> int:
     except StreamlaneError as exc:
         hint = " On the command line, --device host runs on the emulated host device." \
             if isinstance(exc, DeviceError) else ""
-        return _fail(f"{exc}{hint}", 2)
+        message = str(exc)
+        if hint and not message.endswith("."):
+            message += "."
+        return _fail(f"{message}{hint}", 2)
     unusable = _unusable_out(args.out)
     if unusable:
         return _fail(unusable, 2)
