@@ -261,3 +261,64 @@ async def test_a_failing_span_read_on_a_lane_thread_ends_no_thread(device, monke
     assert calls[0].startswith("streamlane-")
     if sched.waker.backend == "asyncio":
         assert [str(e) for e in reported] == ["a bug in reading spans"]
+
+
+@pytest.mark.anyio
+async def test_spans_cut_short_by_an_interrupt_are_read_later_once(device, monkeypatch):
+    """An exception other than ``Exception`` (a Ctrl-C) raised into ``timeline()`` while it
+    reads pending spans: those not read yet are put back, so the next ``timeline()`` has every
+    job once, and the busy time counts each once."""
+    import sys
+
+    from streamlane.sched import lane as lane_module
+
+    class Interrupt(BaseException):
+        pass
+
+    held = threading.Event()
+    loop_thread = threading.get_ident()
+    real = lane_module.Lane.read_spans
+
+    def read_spans(self):  # the lane's threads leave every span to the loop here
+        if threading.get_ident() != loop_thread:
+            held.wait(10)
+        real(self)
+
+    monkeypatch.setattr(lane_module.Lane, "read_spans", read_spans)
+    method = spin_program(300, "cut").method("forward", device=device)
+    code = lane_module.Lane._spans.__code__
+    import linecache
+
+    line = next(i for i, text in enumerate(linecache.getlines(code.co_filename), 1)
+                if "t1 = ref.elapsed_ms(note.end)" in text)
+    hits = []
+
+    def local(frame, event, arg):
+        if event == "line" and frame.f_lineno == line:
+            hits.append(1)
+            if len(hits) == 2:  # the second job's span, the first already recorded
+                raise Interrupt
+        return local
+
+    def trace(frame, event, arg):
+        return local if frame.f_code is code else None
+
+    with anyio.fail_after(30):
+        async with Scheduler(device, lanes=4, poll_us=0) as sched:
+            try:
+                for i in range(4):  # one per lane: a held thread settles nothing more
+                    await sched.run(method, [data(i)], lane=i)
+                sys.settrace(trace)
+                try:
+                    with pytest.raises(Interrupt):
+                        sched.timeline()
+                finally:
+                    sys.settrace(None)
+                spans = sched.timeline().spans
+                busy = sum(s.busy_time_s for s in sched.statistics())
+            finally:
+                held.set()
+    assert len(hits) == 2
+    assert sorted(span.job for span in spans) == sorted({span.job for span in spans})
+    assert len(spans) == 4, spans
+    assert busy == pytest.approx(sum(span.duration_s for span in spans))
