@@ -275,15 +275,33 @@ class Lane:
         end, ``job.span``, the scheduler's timeline and this lane's busy time. Settling a job
         only notes its events; the thread that settled it reads them once the loop has been
         told (the waiter, the lane thread) or at the loop's next turn (the loop), off the
-        await's path. ``job.span``, ``timeline()`` and ``statistics()`` read what is left."""
+        await's path. ``job.span``, ``timeline()`` and ``statistics()`` read what is left.
+
+        An interrupt (a Ctrl-C on the loop) may cut it short anywhere: the notes not read yet
+        are put back, except one whose span was being recorded (``_Unread.started``), which is
+        never read twice (its start event would go back to the pool twice, and two later jobs
+        would share it)."""
         with self._span_lock:
             if not self._unread:
                 return
-            unread, self._unread = self._unread, []
-            busy = self._spans(unread)
-        if busy:
-            with self._lock:
-                self._busy_s += busy
+            unread: list[_Unread] = []
+            done = 0
+            busy = [0.0]
+            try:
+                unread, self._unread = self._unread, []
+                ref = self._core.reference
+                for note in unread:
+                    self._read(note, ref, busy)
+                    done += 1
+            finally:
+                rest = unread[done:]
+                if rest and rest[0].started:
+                    del rest[0]
+                if rest:
+                    self._unread[:0] = rest
+                if busy[0]:
+                    with self._lock:
+                        self._busy_s += busy[0]
 
     def stop(self) -> None:
         """Let the threads exit once the queue is empty (they post ``exited``)."""
@@ -593,43 +611,38 @@ class Lane:
                 time.sleep(0)  # queries keep the GIL (hold_gil): let the others run between
         event.synchronize()
 
-    def _spans(self, unread: list[_Unread]) -> float:
-        """Read ``unread``'s spans (under ``_span_lock``); returns their busy time. If an
-        interrupt cuts it short, those not read yet are put back."""
-        core = self._core
-        ref = core.reference
-        busy = 0.0
-        done = 0
+    def _read(self, note: _Unread, ref: Event, busy: list[float]) -> None:
+        """Read one note's span (``read_spans``, under ``_span_lock``), adding its duration to
+        ``busy[0]``."""
+        job = note.job()
         try:
-            for note in unread:
-                job = note.job()
-                try:
-                    t0 = ref.elapsed_ms(note.start) / 1e3
-                    t1 = ref.elapsed_ms(note.end) / 1e3
-                except Exception:  # timing is best effort; it never fails a job
-                    pass
-                else:
-                    self._events.append(note.start)  # complete, read and private: reusable
-                    busy += t1 - t0
-                    core.record_span(Span(note.id, note.name, self.index, note.track, t0, t1))
-                    if job is not None:
-                        job._span = (t0, t1)
-                if job is not None:  # after its span: observers look at this without the lock
-                    job._span_unread = False
-                done += 1
+            t0 = ref.elapsed_ms(note.start) / 1e3
+            t1 = ref.elapsed_ms(note.end) / 1e3
+        except Exception:  # timing is best effort; it never fails a job
+            note.started = True  # done with: not read again
+            if job is not None:
+                job._span_unread = False
+            return
+        note.started = True  # from here on it is never read again, even if cut short
+        try:
+            busy[0] += t1 - t0
+            if job is not None:
+                job._span = (t0, t1)
+            self._core.record_span(Span(note.id, note.name, self.index, note.track, t0, t1))
+            self._events.append(note.start)  # complete, read and private: free to record again
         finally:
-            if done < len(unread):
-                self._unread[:0] = unread[done:]
-        return busy
+            if job is not None:  # after its span: observers look at this without the lock
+                job._span_unread = False
 
 
 class _Unread:
     """A settled timed job whose span is not read yet. It holds the job's two events, never the
     job: a finished job's Results keep its buffers out of the method's pool."""
 
-    __slots__ = ("end", "id", "job", "name", "start", "track")
+    __slots__ = ("end", "id", "job", "name", "start", "started", "track")
 
     def __init__(self, job: Job):
+        self.started = False  # its span is being recorded (Lane._read)
         self.job = weakref.ref(job)
         self.id, self.name, self.track = job.id, job.name, job.track
         self.start, self.end = job._start_event, job.event

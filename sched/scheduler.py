@@ -38,6 +38,7 @@ Guarantees:
 from __future__ import annotations
 
 import atexit
+import heapq
 import itertools
 import os
 import sys
@@ -60,7 +61,7 @@ from streamlane.runtime.errors import InvalidArgument, InvalidState, StreamClose
 from ._wakeup import LoopWaker
 from .errors import ClosedStreamGiven, SchedulerBroken, SchedulerClosed, TimingStallWarning
 from .job import CANCELLED, DONE, FAILED, Job, JobOutput, check_jobs
-from .lane import Lane, LaneStatistics
+from .lane import UNREAD_MAX, Lane, LaneStatistics
 from .timeline import Span, Timeline
 
 __all__ = ["Scheduler"]
@@ -198,7 +199,11 @@ class Scheduler:
         self._methods: weakref.WeakKeyDictionary[Method, _MethodState] = \
             weakref.WeakKeyDictionary()
         self._ids = itertools.count()
-        self._spans: deque[Span] = deque(maxlen=timeline_size)
+        # Spans are recorded as they are read, which may come after a later job's (a job the
+        # loop settles waits for its read: Lane.read_spans): a little more is kept, and
+        # timeline() gives the timeline_size most recent by submit order.
+        self.timeline_size = timeline_size
+        self._spans: deque[Span] = deque(maxlen=timeline_size + lanes * (UNREAD_MAX + 64))
         # With timing events on a device whose streams share hardware queues, the streams with
         # jobs pending (by id: a lane's own stream, or a caller stream), until more of them than
         # queues call for a TimingStallWarning; then no longer counted.
@@ -838,7 +843,10 @@ class Scheduler:
         """The device spans of the recent jobs (up to ``timeline_size``), as a ``Timeline``."""
         self._release_loop_job()
         self._read_spans()
-        return Timeline(list(self._spans), self.device.name)
+        spans = list(self._spans)
+        if len(spans) > self.timeline_size:
+            spans = heapq.nlargest(self.timeline_size, spans, key=lambda span: span.job)
+        return Timeline(spans, self.device.name)
 
     def clear_timeline(self) -> None:
         """Forget the spans recorded so far (to measure one phase of a longer run)."""

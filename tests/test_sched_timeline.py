@@ -236,16 +236,16 @@ async def test_a_failing_span_read_on_a_lane_thread_ends_no_thread(device, monke
     reported on the loop and the thread goes on; ended, it would hang every later job."""
     from streamlane.sched.lane import Lane
 
-    real = Lane._spans
+    real = Lane._read
     calls = []
 
-    def failing_once(self, unread):
+    def failing_once(self, note, ref, busy):
         calls.append(threading.current_thread().name)
         if len(calls) == 1:
             raise RuntimeError("a bug in reading spans")
-        return real(self, unread)
+        return real(self, note, ref, busy)
 
-    monkeypatch.setattr(Lane, "_spans", failing_once)
+    monkeypatch.setattr(Lane, "_read", failing_once)
     method = spin_program(500, "r").method("forward", device=device)
     with anyio.fail_after(20):
         async with Scheduler(device, lanes=1, poll_us=0) as sched:
@@ -286,7 +286,7 @@ async def test_spans_cut_short_by_an_interrupt_are_read_later_once(device, monke
 
     monkeypatch.setattr(lane_module.Lane, "read_spans", read_spans)
     method = spin_program(300, "cut").method("forward", device=device)
-    code = lane_module.Lane._spans.__code__
+    code = lane_module.Lane._read.__code__
     import linecache
 
     line = next(i for i, text in enumerate(linecache.getlines(code.co_filename), 1)
@@ -322,3 +322,112 @@ async def test_spans_cut_short_by_an_interrupt_are_read_later_once(device, monke
     assert sorted(span.job for span in spans) == sorted({span.job for span in spans})
     assert len(spans) == 4, spans
     assert busy == pytest.approx(sum(span.duration_s for span in spans))
+
+
+@pytest.mark.anyio
+async def test_spans_the_loop_reads_late_do_not_push_out_later_jobs(device):
+    """``timeline_size`` keeps the most recent jobs by submit order, though a job the loop
+    settled has its span read after those of later jobs."""
+    a = spin_program(200, "early").method("forward", device=device)
+    b = spin_program(200, "late").method("forward", device=device)
+    stream = device.create_stream()
+    x = Result.from_host(data(0), device)
+    with anyio.fail_after(30):
+        async with Scheduler(device, lanes=2, timeline_size=4) as sched:
+            early = await sched.submit(a, [x], stream=stream, lane=0)
+            await anyio.sleep(0.05)  # the loop's next turn enqueues it; done on the device
+            later = [await sched.submit(b, [data(i)], lane=1) for i in range(4)]
+            for job in later:
+                await job
+            assert early.done()
+            spans = sched.timeline().spans
+    assert sorted(span.job for span in spans) == [job.id for job in later]
+
+
+@pytest.mark.anyio
+async def test_spans_survive_an_interrupt_before_their_read_starts(device, monkeypatch):
+    """An interrupt as the loop starts reading a note (before any of it is recorded): the note
+    is put back and read later, never lost."""
+    from streamlane.sched.lane import Lane
+
+    class Interrupt(BaseException):
+        pass
+
+    held = threading.Event()
+    loop_thread = threading.get_ident()
+    real_read_spans, real_read = Lane.read_spans, Lane._read
+    raised = []
+
+    def read_spans(self):
+        if threading.get_ident() != loop_thread:
+            held.wait(10)
+        real_read_spans(self)
+
+    def read(self, note, ref, busy):
+        if not raised:
+            raised.append(note.id)
+            raise Interrupt
+        return real_read(self, note, ref, busy)
+
+    monkeypatch.setattr(Lane, "read_spans", read_spans)
+    monkeypatch.setattr(Lane, "_read", read)
+    method = spin_program(300, "entry").method("forward", device=device)
+    with anyio.fail_after(30):
+        async with Scheduler(device, lanes=2, poll_us=0) as sched:
+            try:
+                for i in range(2):  # one per lane: a held thread settles nothing more
+                    await sched.run(method, [data(i)], lane=i)
+                with pytest.raises(Interrupt):
+                    sched.timeline()
+                spans = sched.timeline().spans
+            finally:
+                held.set()
+    assert raised and len(spans) == 2, spans
+
+
+@pytest.mark.anyio
+async def test_a_span_cut_short_while_recorded_is_never_read_twice(device, monkeypatch):
+    """An interrupt as a span is recorded: that note is not read again (its start event would
+    go back to the pool twice, and two later jobs would share it: a negative span)."""
+    from streamlane.sched.lane import Lane
+
+    class Interrupt(BaseException):
+        pass
+
+    held = threading.Event()
+    loop_thread = threading.get_ident()
+    real_read_spans = Lane.read_spans
+
+    def read_spans(self):
+        if threading.get_ident() != loop_thread:
+            held.wait(10)
+        real_read_spans(self)
+
+    monkeypatch.setattr(Lane, "read_spans", read_spans)
+    method = spin_program(300, "twice").method("forward", device=device)
+    with anyio.fail_after(30):
+        async with Scheduler(device, lanes=3, poll_us=0) as sched:
+            try:
+                for i in range(3):  # one per lane: a held thread settles nothing more
+                    await sched.run(method, [data(i)], lane=i)
+                real_record = sched.record_span
+                calls = []
+
+                def record_span(span):
+                    real_record(span)
+                    calls.append(span.job)
+                    if len(calls) == 2:  # as the record returns
+                        raise Interrupt
+
+                sched.record_span = record_span
+                with pytest.raises(Interrupt):
+                    sched.timeline()
+                del sched.record_span
+                spans = sched.timeline().spans
+                pools = [list(lane._events) for lane in sched.lanes]
+            finally:
+                held.set()
+    ids = [span.job for span in spans]
+    assert sorted(ids) == sorted(set(ids)) and len(ids) == 3, ids
+    for pool in pools:
+        assert len({id(event) for event in pool}) == len(pool)
