@@ -476,7 +476,7 @@ def get_device(name: str | None = None) -> Device:
         key = "host:0"
     kind, _, idx = key.partition(":")
     # ASCII digits only ("²".isdigit() is true), and one name per device: "cuda:01" is cuda:1
-    if kind not in ("host", "cuda") or not (idx.isascii() and idx.isdigit()):
+    if kind not in ("host", "cuda") or not (idx.isascii() and idx.isdigit()) or len(idx) > 6:
         raise InvalidArgument(f"unknown device {name!r}{source}; valid names: "
                               f"{', '.join(BACKENDS)}")
     key = f"{kind}:{int(idx)}"

@@ -315,12 +315,14 @@ class MethodBuilder:
         except KernelSpecError as exc:
             raise InvalidProgram(f"{where}.{exc.where}", exc.expected, exc.got) from None
         if shape is not None:
-            if not isinstance(shape, (list, tuple)) or len(shapes) != 1 or (
-                    shapes[0] is not None and tuple(shapes[0]) != tuple(shape)):
-                raise InvalidProgram(f"{where}.shape", f"no shape (the output's is inferred: "
-                                     f"{list(shapes[0]) if len(shapes) == 1 else 'none'}), "
-                                     f"or the shape of {kernel}'s one output", shape)
-            shapes = [tuple(shape)]
+            given = _shape_given(shape)
+            if given is None or len(shapes) != 1:
+                raise InvalidProgram(f"{where}.shape", f"a list of ints, the shape of "
+                                     f"{kernel}'s one output", shape)
+            if shapes[0] is not None and tuple(shapes[0]) != given:
+                raise InvalidProgram(f"{where}.shape", f"no shape (it is inferred: "
+                                     f"{list(shapes[0])}), or that one", list(given))
+            shapes = [given]
         outs = []
         for k, inferred in enumerate(shapes):
             if inferred is None:
@@ -737,6 +739,19 @@ def _program_kernel(name: Any, where: str) -> KernelSpec:
         raise InvalidProgram(f"{where}.kernel", "a kernel of the library (" +
                              ", ".join(kernel_names(in_programs_only=True)) + ")", name)
     return spec
+
+
+def _shape_given(shape: Any) -> tuple[int, ...] | None:
+    """A builder's ``shape=`` as a tuple of ints (numpy integers too), or None if it is not
+    one; the validator then checks its values as a file's."""
+    if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
+        return None
+    dims = []
+    for d in shape:
+        if isinstance(d, bool) or not isinstance(d, (int, np.integer)):
+            return None
+        dims.append(int(d))
+    return tuple(dims)
 
 
 def _read_at_most(f: Any, limit: int) -> bytes:

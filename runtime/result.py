@@ -16,6 +16,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import operator
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -314,11 +315,14 @@ def _dlpack(self: Result, *, stream: Any = None, max_version: Any = None,
     made to wait for this result on the device; ``-1`` means the consumer synchronizes itself.
     The buffer is not rewritten until the consumer lets go of it and its queued work is done."""
     if dl_device is not None:
-        try:
-            wanted = tuple(dl_device)
+        try:  # numpy integers too (operator.index), never bools
+            wanted = tuple(operator.index(v) for v in dl_device
+                           if not isinstance(v, (bool, np.bool_)))
+            if len(wanted) != len(dl_device):
+                wanted = ()
         except TypeError:
             wanted = ()
-        if len(wanted) != 2 or not all(isinstance(v, int) for v in wanted):
+        if len(wanted) != 2:
             raise InvalidArgument(f"__dlpack__(dl_device=...) takes a (device type, device id) "
                                   f"pair such as {_dlpack_device(self)}, got {dl_device!r}")
         if wanted != _dlpack_device(self):

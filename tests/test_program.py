@@ -629,6 +629,11 @@ def test_the_builder_refuses_what_a_file_would_and_takes_what_it_can():
     with pytest.raises(InvalidProgram) as info:
         m.step("relu", "x", shape=(4,))
     assert info.value.path == "methods.f.steps[0].shape"
+    for bad in (3, "3", (3.0,), (True,)):
+        with pytest.raises(InvalidProgram) as info:
+            m.step("fill", shape=bad, value=1.0)
+        assert info.value.path == "methods.f.steps[0].shape"
+    assert m.step("fill", shape=np.array([3]), value=1.0)  # numpy integers are ints
     b = Program.build("filled")
     m = b.method("f", x=("float32", [3]))
     m.output(m.step("add", "x", m.step("fill", shape=(3,), value=7.5), out="y"))

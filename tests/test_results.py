@@ -368,9 +368,10 @@ def test_dlpack_arguments_are_checked_and_a_host_copy_is_one(host):
     m = scaler().method("forward", device=host)
     x = rand()
     r = m([x])[0]
-    for bad in (1, "cpu", (1,), (1, 0, 0), (1.0, 0)):
+    for bad in (1, "cpu", (1,), (1, 0, 0), (1.0, 0), (True, 0)):
         with pytest.raises(InvalidArgument, match="dl_device"):
             r.__dlpack__(dl_device=bad)
+    r.__dlpack__(dl_device=(np.int64(1), np.int32(0)))  # numpy integers are ints
     with pytest.raises(InvalidArgument, match="DLPack device"):
         r.__dlpack__(dl_device=(2, 0))
     copied = np.from_dlpack(r, copy=True)

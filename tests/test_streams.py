@@ -397,7 +397,8 @@ def test_device_selection(monkeypatch):
         get_device("tpu")
     with pytest.raises(InvalidArgument, match="valid names"):
         get_device("cuda:x")
-    for digits in ("cuda:\u00b2", "cuda:\u0661", "host:\uff10"):  # not ASCII: refused, not int()
+    for digits in ("cuda:\u00b2", "cuda:\u0661", "host:\uff10", "host:" + "0" * 5000,
+                   "cuda:" + "9" * 5000):  # not ASCII, or past int()'s digit limit: refused
         with pytest.raises(InvalidArgument, match="valid names"):
             get_device(digits)
     assert get_device("host:00") is get_device("host:0") is get_device("host")  # one name each
