@@ -120,8 +120,10 @@ class Lane:
         self._events: list[Event] = []  # start timing events to reuse (taken by the lane thread)
         # Timed jobs settled whose spans are not read yet (read_spans), and the lock held while
         # they are taken and read, so an observer never sees a job half read.
+        # Re-entrant: a signal handler on the loop thread may look at the scheduler (job.span,
+        # statistics()) while that thread is reading. Taken after _lock, never before it.
         self._unread: list[_Unread] = []
-        self._span_lock = threading.Lock()
+        self._span_lock = threading.RLock()
         self._read_scheduled = False  # the loop has a read_spans queued (call_soon)
         self.stream_handle: int | None = None
         self.startup_error: BaseException | None = None
@@ -250,10 +252,13 @@ class Lane:
         if report is not None:
             report()  # on the loop: settle it here, now
             # Its span is read later (read_spans): while the loop polls its next job, by the
-            # lane's threads, or when asked; at the loop's next turn once many are waiting.
-            if len(self._unread) >= UNREAD_MAX and not self._read_scheduled:
-                self._read_scheduled = True
+            # lane's threads, or when asked; at the loop's next turn once many are waiting
+            # (again past 4x that, should an interrupt have lost the queued read).
+            waiting = len(self._unread)
+            if waiting >= UNREAD_MAX and (not self._read_scheduled or
+                                          waiting >= 4 * UNREAD_MAX):
                 self._core.waker.call_soon(self._read_spans_soon)
+                self._read_scheduled = True
         job._loop_owned = False  # settled: nothing left to hand to the waiter
         return job._finished
 
@@ -281,27 +286,29 @@ class Lane:
         are put back, except one whose span was being recorded (``_Unread.started``), which is
         never read twice (its start event would go back to the pool twice, and two later jobs
         would share it)."""
-        with self._span_lock:
-            if not self._unread:
-                return
-            unread: list[_Unread] = []
-            done = 0
-            busy = [0.0]
-            try:
-                unread, self._unread = self._unread, []
-                ref = self._core.reference
-                for note in unread:
-                    self._read(note, ref, busy)
-                    done += 1
-            finally:
-                rest = unread[done:]
-                if rest and rest[0].started:
-                    del rest[0]
-                if rest:
-                    self._unread[:0] = rest
-                if busy[0]:
-                    with self._lock:
-                        self._busy_s += busy[0]
+        busy = [0.0]
+        try:
+            with self._span_lock:
+                if not self._unread:
+                    return
+                unread: list[_Unread] = []
+                done = 0
+                try:
+                    unread, self._unread = self._unread, []
+                    ref = self._core.reference
+                    for note in unread:
+                        self._read(note, ref, busy)
+                        done += 1
+                finally:
+                    rest = unread[done:]
+                    if rest and rest[0].started:
+                        del rest[0]
+                    if rest:
+                        self._unread[:0] = rest
+        finally:
+            if busy[0]:
+                with self._lock:
+                    self._busy_s += busy[0]
 
     def stop(self) -> None:
         """Let the threads exit once the queue is empty (they post ``exited``)."""
@@ -512,6 +519,7 @@ class Lane:
         before this thread runs again: a job it still held kept its buffers out of the
         method's pool)."""
         core = self._core
+        timed = error is None and core.timing and core.reference is not None
         with self._lock:
             batch = [job for job in batch if not job._claimed]
             for job in batch:
@@ -519,13 +527,18 @@ class Lane:
             self._in_flight -= len(batch)
             self._completed += len(batch)
             self._queued_calls -= sum(job._calls for job in batch)
+            if timed and batch:
+                # Its span is read after the loop has been told (read_spans, ~5-10 us a job).
+                # Noted while claimed: once the lock is let go, the loop may settle the job
+                # (observe), which drops its start event.
+                noted = [job for job in batch if job._start_event is not None]
+                notes = [_Unread(job) for job in noted]
+                with self._span_lock:
+                    self._unread += notes
+                for job in noted:  # after the notes are pending: job.span then reads them
+                    job._span_unread = True
         if not batch:
             return None
-        if error is None and core.timing and core.reference is not None:
-            # Noted here, read after the loop has been told (read_spans): ~5-10 us a job.
-            unread = [_Unread(job) for job in batch if job._start_event is not None]
-            with self._span_lock:
-                self._unread += unread
         if error is not None:
             core.break_(error, batch[0], "waiting for")
             error = core.broken_error() or error
@@ -613,7 +626,8 @@ class Lane:
 
     def _read(self, note: _Unread, ref: Event, busy: list[float]) -> None:
         """Read one note's span (``read_spans``, under ``_span_lock``), adding its duration to
-        ``busy[0]``."""
+        ``busy[0]``. Everything that can be cut short by an interrupt (Python calls) comes
+        before ``note.started``; after it, only assignments and C appends."""
         job = note.job()
         try:
             t0 = ref.elapsed_ms(note.start) / 1e3
@@ -623,16 +637,15 @@ class Lane:
             if job is not None:
                 job._span_unread = False
             return
+        span = Span(note.id, note.name, self.index, note.track, t0, t1)
+        record = self._core.record_span
         note.started = True  # from here on it is never read again, even if cut short
-        try:
-            busy[0] += t1 - t0
-            if job is not None:
-                job._span = (t0, t1)
-            self._core.record_span(Span(note.id, note.name, self.index, note.track, t0, t1))
-            self._events.append(note.start)  # complete, read and private: free to record again
-        finally:
-            if job is not None:  # after its span: observers look at this without the lock
-                job._span_unread = False
+        busy[0] += t1 - t0
+        if job is not None:
+            job._span = (t0, t1)
+            job._span_unread = False  # after its span: observers look at this without the lock
+        self._events.append(note.start)  # complete, read and private: free to record again
+        record(span)
 
 
 class _Unread:
@@ -646,8 +659,6 @@ class _Unread:
         self.job = weakref.ref(job)
         self.id, self.name, self.track = job.id, job.name, job.track
         self.start, self.end = job._start_event, job.event
-        job._start_event = None
-        job._span_unread = True
 
 
 _NOTHING = object()

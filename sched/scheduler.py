@@ -38,8 +38,8 @@ Guarantees:
 from __future__ import annotations
 
 import atexit
-import heapq
 import itertools
+import operator
 import os
 import sys
 import threading
@@ -128,6 +128,9 @@ def _closed_stream_given(stream: Stream) -> ClosedStreamGiven:
                              f"(device.create_stream())")
 
 
+_JOB_ID = operator.attrgetter("job")
+
+
 class _MethodState:
     __slots__ = ("calls", "kernels_only", "lane", "last")
 
@@ -155,7 +158,7 @@ class Scheduler:
     thread enqueue a lone caller-stream job that cannot block itself instead of handing it to
     the lane thread; False keeps every launch and execute off the loop thread (its remaining
     driver calls, event queries and elapsed times, never wait). ``timeline_size``: how many
-    recent spans ``timeline()`` keeps.
+    spans ``timeline()`` keeps: those of the latest jobs, by submit order.
     """
 
     def __init__(self, device: Device | str | None = None, lanes: int = 2, *,
@@ -202,8 +205,10 @@ class Scheduler:
         # Spans are recorded as they are read, which may come after a later job's (a job the
         # loop settles waits for its read: Lane.read_spans): a little more is kept, and
         # timeline() gives the timeline_size most recent by submit order.
-        self.timeline_size = timeline_size
-        self._spans: deque[Span] = deque(maxlen=timeline_size + lanes * (UNREAD_MAX + 64))
+        self._timeline_size = timeline_size
+        self._spans: deque[Span] = deque(maxlen=timeline_size + lanes * (4 * UNREAD_MAX + 64))
+        # Lane._read's last step: a C append, where an interrupt cannot cut it in two.
+        self.record_span: Callable[[Span], None] = self._spans.append
         # With timing events on a device whose streams share hardware queues, the streams with
         # jobs pending (by id: a lane's own stream, or a caller stream), until more of them than
         # queues call for a TimingStallWarning; then no longer counted.
@@ -818,9 +823,6 @@ class Scheduler:
             else:
                 self.finish(job, FAILED, self.broken_error() or error)
 
-    def record_span(self, span: Span) -> None:
-        self._spans.append(span)  # deque.append is atomic: waiters of every lane call it
-
     # -- observing ----------------------------------------------------------------------------
     @property
     def broken(self) -> SchedulerBroken | None:
@@ -844,8 +846,9 @@ class Scheduler:
         self._release_loop_job()
         self._read_spans()
         spans = list(self._spans)
-        if len(spans) > self.timeline_size:
-            spans = heapq.nlargest(self.timeline_size, spans, key=lambda span: span.job)
+        if len(spans) > self._timeline_size:  # recorded nearly in submit order: a quick sort
+            spans.sort(key=_JOB_ID)
+            spans = spans[len(spans) - self._timeline_size:]
         return Timeline(spans, self.device.name)
 
     def clear_timeline(self) -> None:

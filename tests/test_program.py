@@ -629,7 +629,7 @@ def test_the_builder_refuses_what_a_file_would_and_takes_what_it_can():
     with pytest.raises(InvalidProgram) as info:
         m.step("relu", "x", shape=(4,))
     assert info.value.path == "methods.f.steps[0].shape"
-    for bad in (3, "3", (3.0,), (True,)):
+    for bad in (3, "3", (3.0,), (True,), {3}, np.array(3), bytearray(b"\x03"), range(3)):
         with pytest.raises(InvalidProgram) as info:
             m.step("fill", shape=bad, value=1.0)
         assert info.value.path == "methods.f.steps[0].shape"

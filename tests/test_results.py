@@ -372,6 +372,7 @@ def test_dlpack_arguments_are_checked_and_a_host_copy_is_one(host):
         with pytest.raises(InvalidArgument, match="dl_device"):
             r.__dlpack__(dl_device=bad)
     r.__dlpack__(dl_device=(np.int64(1), np.int32(0)))  # numpy integers are ints
+    r.__dlpack__(dl_device=iter((1, 0)))  # any iterable of two
     with pytest.raises(InvalidArgument, match="DLPack device"):
         r.__dlpack__(dl_device=(2, 0))
     copied = np.from_dlpack(r, copy=True)

@@ -422,7 +422,7 @@ async def test_a_span_cut_short_while_recorded_is_never_read_twice(device, monke
                 sched.record_span = record_span
                 with pytest.raises(Interrupt):
                     sched.timeline()
-                del sched.record_span
+                sched.record_span = real_record
                 spans = sched.timeline().spans
                 pools = [list(lane._events) for lane in sched.lanes]
             finally:
@@ -431,3 +431,112 @@ async def test_a_span_cut_short_while_recorded_is_never_read_twice(device, monke
     assert sorted(ids) == sorted(set(ids)) and len(ids) == 3, ids
     for pool in pools:
         assert len({id(event) for event in pool}) == len(pool)
+
+
+@pytest.mark.anyio
+async def test_a_job_the_loop_finishes_while_its_waiter_settles_it_keeps_its_span(device):
+    """The waiter claims a job and is switched out (the GIL moves on) before it notes the
+    span; ``await job`` finds the job claimed and done on the device and finishes it. The span
+    was noted under the claim, so ``job.span`` and the timeline have it."""
+    import sys
+
+    go = threading.Event()
+
+    class PausingLock:  # the lane's lock, pausing its waiter once as _settle's claim ends
+        def __init__(self, lock):
+            self.lock, self.paused = lock, False
+
+        def __enter__(self):
+            return self.lock.__enter__()
+
+        def __exit__(self, *exc):
+            self.lock.__exit__(*exc)
+            if (not self.paused and threading.current_thread().name.startswith(
+                    "streamlane-wait") and sys._getframe(1).f_code.co_name == "_settle"):
+                self.paused = True
+                go.wait(10)
+
+    method = spin_program(300, "claimed").method("forward", device=device)
+    with anyio.fail_after(30):
+        async with Scheduler(device, lanes=1, poll_us=1000) as sched:
+            lane = sched.lanes[0]
+            lane._lock = PausingLock(lane._lock)
+            try:
+                job = await sched.submit(method, [data(0)])
+                await anyio.sleep(0.05)  # done on the device, claimed by the paused waiter
+                await job
+                assert lane._lock.paused
+                assert job.span is not None
+                assert [span.job for span in sched.timeline().spans] == [job.id]
+            finally:
+                go.set()
+
+
+@pytest.mark.anyio
+async def test_a_lost_read_of_the_loops_spans_is_made_up_for(device, monkeypatch):
+    """The read the loop queues once UNREAD_MAX spans wait can be lost (an interrupt as it is
+    queued); notes then still stop piling up, at 4x that."""
+    from streamlane.sched._wakeup import LoopWaker
+    from streamlane.sched.lane import UNREAD_MAX
+
+    class Interrupt(BaseException):
+        pass
+
+    real = LoopWaker.call_soon
+    lost = []
+
+    def call_soon(self, callback):
+        if not lost and getattr(callback, "__name__", "") == "_read_spans_soon":
+            lost.append(1)
+            raise Interrupt
+        return real(self, callback)
+
+    monkeypatch.setattr(LoopWaker, "call_soon", call_soon)
+    method = spin_program(100, "lost").method("forward", device=device)
+    stream = device.create_stream()
+    x = Result.from_host(data(0), device)
+    most = 0
+    with anyio.fail_after(60):
+        async with Scheduler(device, lanes=1) as sched:
+            lane = sched.lanes[0]
+            for _ in range(6 * UNREAD_MAX):
+                job = await sched.submit(method, [x], stream=stream)
+                await anyio.sleep(0)  # the loop's next turn enqueues it
+                while not job._is_published or not job.event.query():
+                    await anyio.sleep(0.0005)
+                try:
+                    await job  # complete at once: the loop settles it
+                except Interrupt:
+                    await job
+                await anyio.sleep(0)
+                most = max(most, len(lane._unread))
+            assert len(sched.timeline()) == 6 * UNREAD_MAX
+    assert lost and most <= 4 * UNREAD_MAX, most
+
+
+@pytest.mark.anyio
+async def test_looking_at_the_scheduler_from_inside_a_span_read_does_not_hang(device,
+                                                                           monkeypatch):
+    """A signal handler runs on the loop thread, perhaps while that thread reads spans (holding
+    the lane's span lock): one that looks at ``statistics()``, ``timeline()`` or ``job.span``
+    must not wait for that lock forever."""
+    from streamlane.sched.lane import Lane
+
+    real = Lane._read
+    seen = []
+
+    def read(self, note, ref, busy):
+        if not seen:  # as a handler would, between two of the loop's own reads
+            seen.append((sched.statistics(), len(sched.timeline()), job.span))
+        return real(self, note, ref, busy)
+
+    monkeypatch.setattr(Lane, "_read", read)
+    method = spin_program(300, "handler").method("forward", device=device)
+    stream = device.create_stream()
+    x = Result.from_host(data(0), device)
+    with anyio.fail_after(30):
+        async with Scheduler(device, lanes=1) as sched:
+            job = await sched.submit(method, [x], stream=stream)
+            await job
+            sched.timeline()  # reads job's span on the loop thread
+    assert seen

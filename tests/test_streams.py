@@ -397,11 +397,12 @@ def test_device_selection(monkeypatch):
         get_device("tpu")
     with pytest.raises(InvalidArgument, match="valid names"):
         get_device("cuda:x")
-    for digits in ("cuda:\u00b2", "cuda:\u0661", "host:\uff10", "host:" + "0" * 5000,
-                   "cuda:" + "9" * 5000):  # not ASCII, or past int()'s digit limit: refused
+    for digits in ("cuda:\u00b2", "cuda:\u0661", "host:\uff10", "cuda:" + "9" * 5000):
+        # not ASCII digits, or past int()'s digit limit: refused
         with pytest.raises(InvalidArgument, match="valid names"):
             get_device(digits)
     assert get_device("host:00") is get_device("host:0") is get_device("host")  # one name each
+    assert get_device("host:" + "0" * 5000) is get_device("host")
     monkeypatch.setenv("STREAMLANE_DEVICE", "host")
     assert get_device().kind == "host"
     assert get_device("auto").kind == "host"
