@@ -742,9 +742,13 @@ def _program_kernel(name: Any, where: str) -> KernelSpec:
 
 
 def _shape_given(shape: Any) -> tuple[int, ...] | None:
-    """A builder's ``shape=`` as a tuple of ints (numpy integers too), or None if it is not
-    one; the validator then checks its values as a file's."""
-    if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
+    """A builder's ``shape=`` as a tuple of ints: a list or tuple of ints (numpy integers
+    too), or a 1-d numpy integer array; None if it is not one. The validator then checks its
+    values as a file's."""
+    if isinstance(shape, np.ndarray):
+        if shape.ndim != 1 or shape.dtype.kind not in "iu":
+            return None
+    elif not isinstance(shape, (list, tuple)):
         return None
     dims = []
     for d in shape:

@@ -315,10 +315,11 @@ def _dlpack(self: Result, *, stream: Any = None, max_version: Any = None,
     made to wait for this result on the device; ``-1`` means the consumer synchronizes itself.
     The buffer is not rewritten until the consumer lets go of it and its queued work is done."""
     if dl_device is not None:
-        try:  # numpy integers too (operator.index), never bools
-            wanted = tuple(operator.index(v) for v in dl_device
+        try:  # any iterable of two ints, numpy integers too (operator.index), never bools
+            given = tuple(dl_device)
+            wanted = tuple(operator.index(v) for v in given
                            if not isinstance(v, (bool, np.bool_)))
-            if len(wanted) != len(dl_device):
+            if len(wanted) != len(given):
                 wanted = ()
         except TypeError:
             wanted = ()
