@@ -25,6 +25,26 @@ def anyio_backend(request):
     return request.param
 
 
+@pytest.fixture
+def lane_reads_held(monkeypatch):
+    """The lane threads' own span reads (after they tell the loop) wait until the event this
+    gives is set, leaving every span to the loop thread's reads until then."""
+    from streamlane.sched.lane import Lane
+
+    held = threading.Event()
+    loop_thread = threading.get_ident()
+    real = Lane.read_spans
+
+    def read_spans(self):
+        if threading.get_ident() != loop_thread:
+            held.wait(10)
+        real(self)
+
+    monkeypatch.setattr(Lane, "read_spans", read_spans)
+    yield held
+    held.set()
+
+
 async def _two_spins(device, lanes: int, streams: bool = False) -> tuple[Scheduler, float]:
     a, b = (spin_program(SPIN_US, n).method("forward", device=device) for n in ("a", "b"))
     s = [device.create_stream(), device.create_stream()] if streams else [None, None]
@@ -90,22 +110,11 @@ async def test_timing_events_are_reused_and_every_span_stays_right(device, monke
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("look", ["span", "timeline", "statistics"])
-async def test_a_jobs_span_is_there_as_soon_as_its_await_returns(device, monkeypatch, look):
+async def test_a_jobs_span_is_there_as_soon_as_its_await_returns(device, lane_reads_held, look):
     """The thread that settles a timed job tells the loop first and reads the job's span after
     (Lane.read_spans); until it has, ``job.span``, ``timeline()`` and ``statistics()`` read it
     themselves. Here the lane's threads are held before their read until the checks are done."""
-    from streamlane.sched.lane import Lane
-
-    held = threading.Event()
-    loop_thread = threading.get_ident()
-    real = Lane.read_spans
-
-    def read_spans(self):
-        if threading.get_ident() != loop_thread:
-            held.wait(10)
-        real(self)
-
-    monkeypatch.setattr(Lane, "read_spans", read_spans)
+    held = lane_reads_held
     method = spin_program(2_000, "seen").method("forward", device=device)
     with anyio.fail_after(30):
         async with Scheduler(device, lanes=4, poll_us=0) as sched:
@@ -264,7 +273,7 @@ async def test_a_failing_span_read_on_a_lane_thread_ends_no_thread(device, monke
 
 
 @pytest.mark.anyio
-async def test_spans_cut_short_by_an_interrupt_are_read_later_once(device, monkeypatch):
+async def test_spans_cut_short_by_an_interrupt_are_read_later_once(device, lane_reads_held):
     """An exception other than ``Exception`` (a Ctrl-C) raised into ``timeline()`` while it
     reads pending spans: those not read yet are put back, so the next ``timeline()`` has every
     job once, and the busy time counts each once."""
@@ -275,16 +284,7 @@ async def test_spans_cut_short_by_an_interrupt_are_read_later_once(device, monke
     class Interrupt(BaseException):
         pass
 
-    held = threading.Event()
-    loop_thread = threading.get_ident()
-    real = lane_module.Lane.read_spans
-
-    def read_spans(self):  # the lane's threads leave every span to the loop here
-        if threading.get_ident() != loop_thread:
-            held.wait(10)
-        real(self)
-
-    monkeypatch.setattr(lane_module.Lane, "read_spans", read_spans)
+    held = lane_reads_held  # the lane's threads leave every span to the loop here
     method = spin_program(300, "cut").method("forward", device=device)
     code = lane_module.Lane._read.__code__
     import linecache
@@ -345,7 +345,8 @@ async def test_spans_the_loop_reads_late_do_not_push_out_later_jobs(device):
 
 
 @pytest.mark.anyio
-async def test_spans_survive_an_interrupt_before_their_read_starts(device, monkeypatch):
+async def test_spans_survive_an_interrupt_before_their_read_starts(device, monkeypatch,
+                                                                    lane_reads_held):
     """An interrupt as the loop starts reading a note (before any of it is recorded): the note
     is put back and read later, never lost."""
     from streamlane.sched.lane import Lane
@@ -353,15 +354,9 @@ async def test_spans_survive_an_interrupt_before_their_read_starts(device, monke
     class Interrupt(BaseException):
         pass
 
-    held = threading.Event()
-    loop_thread = threading.get_ident()
-    real_read_spans, real_read = Lane.read_spans, Lane._read
+    held = lane_reads_held
+    real_read = Lane._read
     raised = []
-
-    def read_spans(self):
-        if threading.get_ident() != loop_thread:
-            held.wait(10)
-        real_read_spans(self)
 
     def read(self, note, ref, busy):
         if not raised:
@@ -369,7 +364,6 @@ async def test_spans_survive_an_interrupt_before_their_read_starts(device, monke
             raise Interrupt
         return real_read(self, note, ref, busy)
 
-    monkeypatch.setattr(Lane, "read_spans", read_spans)
     monkeypatch.setattr(Lane, "_read", read)
     method = spin_program(300, "entry").method("forward", device=device)
     with anyio.fail_after(30):
@@ -386,24 +380,14 @@ async def test_spans_survive_an_interrupt_before_their_read_starts(device, monke
 
 
 @pytest.mark.anyio
-async def test_a_span_cut_short_while_recorded_is_never_read_twice(device, monkeypatch):
+async def test_a_span_cut_short_while_recorded_is_never_read_twice(device, lane_reads_held):
     """An interrupt as a span is recorded: that note is not read again (its start event would
     go back to the pool twice, and two later jobs would share it: a negative span)."""
-    from streamlane.sched.lane import Lane
 
     class Interrupt(BaseException):
         pass
 
-    held = threading.Event()
-    loop_thread = threading.get_ident()
-    real_read_spans = Lane.read_spans
-
-    def read_spans(self):
-        if threading.get_ident() != loop_thread:
-            held.wait(10)
-        real_read_spans(self)
-
-    monkeypatch.setattr(Lane, "read_spans", read_spans)
+    held = lane_reads_held
     method = spin_program(300, "twice").method("forward", device=device)
     with anyio.fail_after(30):
         async with Scheduler(device, lanes=3, poll_us=0) as sched:
