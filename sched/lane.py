@@ -120,8 +120,9 @@ class Lane:
         self._events: list[Event] = []  # start timing events to reuse (taken by the lane thread)
         # Timed jobs settled whose spans are not read yet (read_spans), and the lock held while
         # they are taken and read, so an observer never sees a job half read.
-        # Re-entrant: a signal handler on the loop thread may look at the scheduler (job.span,
-        # statistics()) while that thread is reading. Taken after _lock, never before it.
+        # Taken after _lock, never before it. Re-entrant, for a signal handler that reads
+        # job.span while the loop reads spans (a raw signal handler calling into the scheduler
+        # is not supported in general: README, known gaps).
         self._unread: list[_Unread] = []
         self._span_lock = threading.RLock()
         self._read_scheduled = False  # the loop has a read_spans queued (call_soon)
@@ -231,7 +232,10 @@ class Lane:
             self.settle_if_complete(job)
         elif _complete(job):
             # The waiter has counted it and posted its settle, which the loop has not run yet
-            # (a busy loop): finish it now; the posted call then finds it finished.
+            # (a busy loop): finish it now; the posted call then finds it finished. First let
+            # the claim's critical section end, which notes the job's span (Lane._settle).
+            with self._lock:
+                pass
             self._core.finish(job, DONE, None)
 
     def settle_if_complete(self, job: Job) -> bool:
@@ -521,12 +525,16 @@ class Lane:
         core = self._core
         timed = error is None and core.timing and core.reference is not None
         with self._lock:
-            batch = [job for job in batch if not job._claimed]
-            for job in batch:
+            claimed = []
+            for job in batch:  # claimed and counted together: an interrupt between two jobs
+                if job._claimed:  # (a backward jump) leaves no job claimed but uncounted
+                    continue
                 job._claimed = True
-            self._in_flight -= len(batch)
-            self._completed += len(batch)
-            self._queued_calls -= sum(job._calls for job in batch)
+                self._in_flight -= 1
+                self._completed += 1
+                self._queued_calls -= job._calls
+                claimed.append(job)
+            batch = claimed
             if timed and batch:
                 # Its span is read after the loop has been told (read_spans, ~5-10 us a job).
                 # Noted while claimed: once the lock is let go, the loop may settle the job

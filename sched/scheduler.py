@@ -158,7 +158,7 @@ class Scheduler:
     thread enqueue a lone caller-stream job that cannot block itself instead of handing it to
     the lane thread; False keeps every launch and execute off the loop thread (its remaining
     driver calls, event queries and elapsed times, never wait). ``timeline_size``: how many
-    spans ``timeline()`` keeps: those of the latest jobs, by submit order.
+    spans ``timeline()`` keeps: of those recorded last (as jobs settle), the latest submitted.
     """
 
     def __init__(self, device: Device | str | None = None, lanes: int = 2, *,
@@ -204,7 +204,8 @@ class Scheduler:
         self._ids = itertools.count()
         # Spans are recorded as they are read, which may come after a later job's (a job the
         # loop settles waits for its read: Lane.read_spans): a little more is kept, and
-        # timeline() gives the timeline_size most recent by submit order.
+        # timeline() gives the timeline_size latest submitted of those. (A job that settles
+        # long after later ones, on another lane, may still fall out first.)
         self._timeline_size = timeline_size
         self._spans: deque[Span] = deque(maxlen=timeline_size + lanes * (4 * UNREAD_MAX + 64))
         # Lane._read's last step: a C append, where an interrupt cannot cut it in two.

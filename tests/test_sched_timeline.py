@@ -7,6 +7,7 @@ import dataclasses
 import itertools
 import json
 import threading
+import time
 
 import anyio
 import numpy as np
@@ -524,3 +525,90 @@ async def test_looking_at_the_scheduler_from_inside_a_span_read_does_not_hang(de
             await job
             sched.timeline()  # reads job's span on the loop thread
     assert seen
+
+
+@pytest.mark.anyio
+async def test_an_await_that_finishes_a_claimed_job_waits_for_its_span_note(device):
+    """The waiter claims a job and, before it has noted the span, is held (a thread switch);
+    ``await job`` finds the job claimed and done on the device and finishes it itself. It
+    first waits out the claim, so the span is there when the await returns."""
+    import inspect
+
+    from streamlane.sched import lane as lane_module
+
+    lines, first = inspect.getsourcelines(lane_module.Lane._settle)
+    target = next(first + i for i, text in enumerate(lines)
+                  if text.strip().startswith("noted = ["))
+    paused = threading.Event()
+
+    def local(frame, event, arg):
+        if event == "line" and frame.f_lineno == target and not paused.is_set():
+            paused.set()
+            time.sleep(0.1)  # long enough for the loop's await to finish the job, unguarded
+        return local
+
+    def tracer(frame, event, arg):
+        if frame.f_code is lane_module.Lane._settle.__code__ and \
+                threading.current_thread().name.startswith("streamlane-wait"):
+            return local
+        return None
+
+    method = spin_program(300, "claim").method("forward", device=device)
+    threading.settrace(tracer)
+    try:
+        with anyio.fail_after(30):
+            async with Scheduler(device, lanes=1, poll_us=0) as sched:
+                job = await sched.submit(method, [data(0)])
+                while not paused.is_set():
+                    await anyio.sleep(0.001)
+                await job
+                assert job.span is not None
+                assert [span.job for span in sched.timeline().spans] == [job.id]
+    finally:
+        threading.settrace(None)
+
+
+@pytest.mark.anyio
+async def test_an_interrupt_in_the_loops_settle_leaves_the_counts_right(device, monkeypatch):
+    """An interrupt as the loop settles a job it polled (between claiming and counting, where
+    a signal can land) never leaves a job claimed but not counted: the lane's in-flight and
+    completed counts stay right."""
+    import sys
+
+    from streamlane.sched import lane as lane_module
+
+    class Interrupt(BaseException):
+        pass
+
+    code = lane_module.Lane._settle.__code__
+    import linecache
+
+    line = next(i for i, text in enumerate(linecache.getlines(code.co_filename), 1)
+                if "claimed.append(job)" in text)
+    fired = []
+
+    def local(frame, event, arg):
+        if event == "line" and frame.f_lineno == line + 1 and not fired:
+            fired.append(1)  # the line after the job is claimed, counted and kept
+            raise Interrupt
+        return local
+
+    def trace(frame, event, arg):
+        return local if frame.f_code is code else None
+
+    method = spin_program(300, "counted").method("forward", device=device)
+    stream = device.create_stream()
+    x = Result.from_host(data(0), device)
+    with anyio.fail_after(30):
+        async with Scheduler(device, lanes=1, poll_us=1e6) as sched:
+            job = await sched.submit(method, [x], stream=stream)
+            sys.settrace(trace)
+            try:
+                with pytest.raises(Interrupt):
+                    await job  # the loop's poll settles it
+            finally:
+                sys.settrace(None)
+            await job
+            (stats,) = sched.statistics()
+    assert fired
+    assert (stats.in_flight, stats.completed) == (0, 1), stats
