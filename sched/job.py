@@ -110,6 +110,7 @@ class Job:
         "_accounted",
         "_calls",
         "_claimed",
+        "_counted",
         "_device_waits",
         "_done",
         "_enqueue_error",
@@ -161,6 +162,7 @@ class Job:
         self._not_run_state = ""  # with _enqueue_error: how it settles (failed or cancelled)
         self._calls = 0  # driver calls it queues on the device, about (set by the scheduler)
         self._claimed = False  # settled by a thread of its lane (or the loop: Lane.poll)
+        self._counted = False  # in its lane's queued count (Lane.put / park, Lane._uncount)
         self._loop_owned = False  # kept by the loop for its poll, not yet given to the waiter
         self._parked = False  # held back for the loop thread to enqueue (Scheduler._enqueue)
         self._pin = pin  # the token of its caller stream's pin (Scheduler._submit), or None

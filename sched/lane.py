@@ -147,6 +147,7 @@ class Lane:
     def put(self, job: Job) -> None:
         with self._lock:  # counted and queued together (an interrupt between left it counted)
             self._queued += 1
+            job._counted = True
             self._jobs.put(job)
 
     def park(self, job: Job) -> None:
@@ -154,6 +155,23 @@ class Lane:
         thread (``Scheduler._enqueue``); ``unpark`` then starts it one way or the other."""
         with self._lock:
             self._queued += 1
+            job._counted = True
+
+    def _uncount(self, job: Job) -> bool:
+        """Under ``_lock``: take ``job`` out of the queued count, once, whoever decides its fate
+        (this lane's thread, or the loop settling a job no lane will run). True if it was in."""
+        if not job._counted:
+            return False
+        job._counted = False
+        self._queued -= 1
+        return True
+
+    def not_run_here(self, job: Job) -> None:
+        """Loop thread: ``job`` was settled without this lane running it (abandoned, or failed
+        as the loop's own enqueue was cut short): out of the queued count, into completed."""
+        with self._lock:
+            if self._uncount(job):
+                self._completed += 1
 
     def unpark(self, job: Job) -> None:
         """Give a parked job to the lane thread, behind anything queued before it (else the
@@ -228,12 +246,14 @@ class Lane:
         self.release(job)
         if job._finished or not job._is_published or job._enqueue_error is not None:
             return
-        if not job._claimed:
-            self.settle_if_complete(job)
-        elif _complete(job):
-            # The waiter has counted it and posted its settle, which the loop has not run yet
-            # (a busy loop): finish it now; the posted call then finds it finished. First let
-            # the claim's critical section end, which notes the job's span (Lane._settle).
+        if not job._claimed and self.settle_if_complete(job):
+            return
+        if job._claimed and not job._finished and _complete(job):
+            # Claimed by a lane's thread (perhaps since the line above, which then found
+            # nothing to settle): it has counted the job and posted its settle, which the loop
+            # has not run yet (a busy loop). Finish it now; the posted call then finds it
+            # finished. First let the claim's critical section end, which notes the job's span
+            # (Lane._settle).
             with self._lock:
                 pass
             self._core.finish(job, DONE, None)
@@ -290,29 +310,27 @@ class Lane:
         are put back, except one whose span was being recorded (``_Unread.started``), which is
         never read twice (its start event would go back to the pool twice, and two later jobs
         would share it)."""
-        busy = [0.0]
-        try:
-            with self._span_lock:
-                if not self._unread:
-                    return
-                unread: list[_Unread] = []
-                done = 0
-                try:
-                    unread, self._unread = self._unread, []
-                    ref = self._core.reference
-                    for note in unread:
-                        self._read(note, ref, busy)
-                        done += 1
-                finally:
-                    rest = unread[done:]
-                    if rest and rest[0].started:
-                        del rest[0]
-                    if rest:
-                        self._unread[:0] = rest
-        finally:
-            if busy[0]:
-                with self._lock:
-                    self._busy_s += busy[0]
+        with self._span_lock:
+            if not self._unread:
+                return
+            unread: list[_Unread] = []
+            done = 0
+            busy = [0.0]
+            try:
+                unread, self._unread = self._unread, []
+                ref = self._core.reference
+                for note in unread:
+                    self._read(note, ref, busy)
+                    done += 1
+            finally:
+                rest = unread[done:]
+                if rest and rest[0].started:
+                    del rest[0]
+                if rest:
+                    self._unread[:0] = rest
+                # Under the span lock (an observer that waited for it sees the busy time of
+                # the spans it sees), which guards _busy_s; not _lock, taken before it.
+                self._busy_s += busy[0]
 
     def stop(self) -> None:
         """Let the threads exit once the queue is empty (they post ``exited``)."""
@@ -328,8 +346,10 @@ class Lane:
 
     def statistics(self) -> LaneStatistics:
         with self._lock:
-            return LaneStatistics(self.index, self._queued, self._in_flight, self._completed,
-                                  self._busy_s)
+            counts = self._queued, self._in_flight, self._completed
+        with self._span_lock:
+            busy = self._busy_s
+        return LaneStatistics(self.index, *counts, busy)
 
     def __repr__(self) -> str:
         with self._lock:
@@ -388,7 +408,7 @@ class Lane:
         core = self._core
         if not job._take():  # abandoned by the loop (Scheduler._abandon), which settled it
             with self._lock:
-                self._queued -= 1
+                self._uncount(job)
             return False
         if self._refused(job):
             return False
@@ -449,7 +469,7 @@ class Lane:
             return False
         else:
             with self._lock:
-                self._queued -= 1
+                self._uncount(job)
                 self._in_flight += 1
                 self._queued_calls += job._calls
             job._publish(end, results, None)
@@ -562,7 +582,7 @@ class Lane:
 
     def _not_run(self, job: Job, state: str, error: BaseException) -> None:
         with self._lock:
-            self._queued -= 1
+            self._uncount(job)
             self._completed += 1
         job._not_run_state = state
         job._publish(None, None, error)

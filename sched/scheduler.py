@@ -199,6 +199,7 @@ class Scheduler:
         self._yielded_at = 0.0  # when an await last yielded to the loop (YIELD_EVERY_S)
         self._yielding = 0  # tasks suspended in yield_to_loop: ready to run (YIELD_SHARED_S)
         self._unobserved: list[Job] = []  # failed jobs whose error nobody may have seen
+        self._unobserved_next = 64  # its length at which those seen since are dropped
         self._methods: weakref.WeakKeyDictionary[Method, _MethodState] = \
             weakref.WeakKeyDictionary()
         self._ids = itertools.count()
@@ -557,6 +558,7 @@ class Scheduler:
                                 f"interrupted its hand-over to lane {job.lane.index}")
         if job._abandon(error):
             job._not_run_state = CANCELLED
+            job.lane.not_run_here(job)  # parked, no lane will take it (queued: its lane skips it)
             self.finish(job, CANCELLED, error)
 
     def _check_loop_job_slot(self, lane: Lane) -> None:
@@ -703,6 +705,7 @@ class Scheduler:
                                         f"have reached the device")
                 job._publish(None, None, error)
                 job._retrieved = True  # the caller gets the interrupt: not this from aclose()
+                job.lane.not_run_here(job)
                 self.finish(job, FAILED, error)
             elif job._enqueue_error is None and not job._finished and not job._claimed \
                     and not job._loop_owned:  # in flight, but neither kept for the poll nor
@@ -808,6 +811,8 @@ class Scheduler:
         self._pending.discard(job)
         if self._loop_job is job:  # kept for its poll: let go of it (and its outputs) now
             self._loop_job = None
+        if job._loop_owned:  # finished before its poll claimed it (failed by a device break):
+            job.lane.release(job)  # claimed and counted here, or by the waiter
         if self._queues is not None:
             self._count_stream(job, -1)
         lane = job.lane
@@ -815,7 +820,14 @@ class Scheduler:
         assert lane.slots is not None
         lane.slots.release()
         if job._error is not None and job._state != CANCELLED:
-            self._unobserved.append(job)
+            # Kept until its error has been seen (an await, exception()): leaving raises the
+            # first error nobody saw. Those seen are dropped now and then, so a long-lived
+            # scheduler does not keep every failed job (and its traceback).
+            unobserved = self._unobserved
+            unobserved.append(job)
+            if len(unobserved) >= self._unobserved_next:
+                unobserved[:] = [j for j in unobserved if not j._retrieved]
+                self._unobserved_next = max(64, 2 * len(unobserved))
 
     def finish_batch(self, jobs: list[Job], error: BaseException | None) -> None:
         for job in jobs:

@@ -22,7 +22,7 @@ from sched_helpers import (
 )
 
 from streamlane.runtime import Result, get_device
-from streamlane.runtime.errors import InvalidArgument, InvalidState, StreamClosed
+from streamlane.runtime.errors import InvalidArgument, InvalidInput, InvalidState, StreamClosed
 from streamlane.runtime.examples import load
 from streamlane.runtime.reference import run_reference
 from streamlane.sched import Job, Scheduler, SchedulerClosed
@@ -773,3 +773,120 @@ async def test_another_thread_using_the_method_mid_job_is_refused_never_mixed_in
             got = out.to_host()
     np.testing.assert_allclose(got, 2 * x, rtol=1e-6)
     assert refused and all(refused), refused
+
+
+@pytest.mark.anyio
+async def test_done_is_true_when_the_waiter_claims_the_job_as_the_loop_looks(host):
+    """``done()`` looks at a job the device has finished just as its waiter claims it: the
+    loop's own settle then finds nothing to settle, and the job is finished from the claim.
+    A job never looks unfinished after one ordered after it (``after=``) is done."""
+    import sys
+
+    loop_queried, waiter_claimed = threading.Event(), threading.Event()
+
+    class PausingLock:  # lane 0's lock: the waiter's claim lands between the loop's query
+        def __init__(self, lock):  # and its own claim
+            self.lock = lock
+
+        def __enter__(self):
+            caller = sys._getframe(1).f_code.co_name
+            waiter = threading.current_thread().name.startswith("streamlane-wait")
+            if caller == "_settle" and waiter and not waiter_claimed.is_set():
+                loop_queried.wait(5)
+            elif caller == "_settle" and not waiter and not loop_queried.is_set():
+                loop_queried.set()
+                waiter_claimed.wait(5)
+            return self.lock.__enter__()
+
+        def __exit__(self, *exc):
+            self.lock.__exit__(*exc)
+            if sys._getframe(1).f_code.co_name == "_settle" and \
+                    threading.current_thread().name.startswith("streamlane-wait"):
+                waiter_claimed.set()
+
+    a_m = spin_program(2000, "a").method("forward", device=host)
+    b_m = double_program("b").method("forward", device=host)
+    with anyio.fail_after(30):
+        async with Scheduler(host, lanes=2, poll_us=0) as sched:
+            sched.lanes[0]._lock = PausingLock(sched.lanes[0]._lock)
+            a = await sched.submit(a_m, [data(0)], lane=0)
+            b = await sched.submit(b_m, [data(1)], lane=1, after=[a])
+            await b
+            assert loop_queried.is_set() or a.done()
+            assert a.done() and a.state == "done"
+            await a
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("where", ["submit", "run"])
+async def test_an_interrupt_as_a_lone_job_is_handed_over_leaves_no_job_counted(host, where):
+    """An interrupt on the loop as a lone caller-stream job is counted for its lane and held
+    back (``submit``), or as the loop starts to enqueue it (``run``): the job is settled
+    without a lane running it, and taken out of the lane's queued count."""
+    import linecache
+    import sys
+
+    from streamlane.sched import lane as lane_module
+    from streamlane.sched import scheduler as scheduler_module
+
+    class Interrupt(BaseException):
+        pass
+
+    if where == "submit":
+        code = scheduler_module.Scheduler._enqueue.__code__
+        text = "lane.park(job)"
+        offset = 1  # the line after it
+    else:
+        code = lane_module.Lane._execute.__code__
+        text = "if not job._take():"
+        offset = 0
+    lines = linecache.getlines(code.co_filename)
+    line = offset + next(i for i, t in enumerate(lines, 1)
+                         if i > code.co_firstlineno and text in t)
+    fired = []
+
+    def local(frame, event, arg):
+        if event == "line" and frame.f_lineno == line and not fired:
+            fired.append(1)
+            raise Interrupt
+        return local
+
+    def trace(frame, event, arg):
+        return local if frame.f_code is code else None
+
+    method = double_program().method("forward", device=host)
+    stream = host.create_stream()
+    x = Result.from_host(data(0), host)
+    with anyio.fail_after(30):
+        async with Scheduler(host, lanes=1) as sched:
+            sys.settrace(trace)
+            try:
+                with pytest.raises(Interrupt):
+                    if where == "submit":
+                        await sched.submit(method, [x], stream=stream)
+                    else:
+                        await sched.run(method, [x], stream=stream)
+            finally:
+                sys.settrace(None)
+            (y,) = await sched.run(method, [x], stream=stream)  # the scheduler goes on
+            np.testing.assert_array_equal(y.to_host(), 2 * data(0))
+    assert fired
+    (stats,) = sched.statistics()
+    assert (stats.queued, stats.in_flight, stats.completed, sched.pending) == (0, 0, 2, 0)
+
+
+@pytest.mark.anyio
+async def test_failed_jobs_whose_error_was_seen_are_not_kept(host):
+    """The scheduler keeps a failed job until its error has been seen (leaving raises the first
+    nobody saw), not for its whole life: a long-lived scheduler with bad inputs now and then
+    does not hold every failed job and its traceback."""
+    method = double_program().method("forward", device=host)
+    bad = np.zeros((2, 2), np.float32)  # the wrong shape: refused at enqueue
+    with anyio.fail_after(60):
+        async with Scheduler(host, lanes=1) as sched:
+            for _ in range(500):
+                job = await sched.submit(method, [bad])
+                with pytest.raises(InvalidInput):
+                    await job
+            kept = len(sched._unobserved)
+    assert kept < 200, kept

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from sched_helpers import BACKENDS, data, double_program, wait_threads, wait_until
 
+from streamlane.runtime import Result
 from streamlane.runtime.errors import DeviceError, InvalidInput
 from streamlane.runtime.result import TRIM_AFTER
 from streamlane.sched import DependencyFailed, Job, Scheduler, SchedulerBroken
@@ -293,3 +294,28 @@ def test_a_faulting_kernel_on_the_gpu_breaks_the_scheduler_without_a_hang(cuda_d
         proc.stderr[-2000:]
     assert "later: ok" not in lines, proc.stdout
     assert "submit: SchedulerBroken" in lines, proc.stdout
+
+
+async def test_a_lone_job_the_loop_kept_and_a_break_failed_is_counted(host):
+    """A lone caller-stream job the loop keeps for its await's poll, failed by a device break
+    before that poll: it is handed over as it finishes, so its lane does not count it in
+    flight forever."""
+    a_m, b_m = (double_program(n).method("forward", device=host) for n in ("a", "b"))
+    sa, sb = host.create_stream(), host.create_stream()
+    x = Result.from_host(data(0), host)
+    with anyio.fail_after(30):
+        async with Scheduler(host, lanes=2) as sched:
+            with host.create_latch() as latch:
+                latch.hold(sa)
+                a = await sched.submit(a_m, [x], lane=0, stream=sa)
+                await anyio.sleep(0.01)  # the loop's next turn enqueues it and keeps it
+                assert a._loop_owned
+                host.inject_failure(sb, "injected")
+                b = await sched.submit(b_m, [data(1)], lane=1, stream=sb)
+                with pytest.raises(SchedulerBroken):
+                    await b
+                latch.release()
+                with pytest.raises(SchedulerBroken):
+                    await a
+    stats = sched.statistics()  # once every thread is joined
+    assert [(s.queued, s.in_flight, s.completed) for s in stats] == [(0, 0, 1)] * 2, stats

@@ -612,3 +612,34 @@ async def test_an_interrupt_in_the_loops_settle_leaves_the_counts_right(device, 
             (stats,) = sched.statistics()
     assert fired
     assert (stats.in_flight, stats.completed) == (0, 1), stats
+
+
+@pytest.mark.anyio
+async def test_busy_time_counts_a_job_as_soon_as_its_await_returns(device):
+    """The busy time is added under the span lock with the spans: ``statistics()`` right after
+    an await, which waits for a lane thread's read in progress, counts the job. (It was added
+    after that lock was let go, under the lane's lock: a thread switch there hid it.)"""
+    import sys
+
+    class PausingLock:  # a lane thread switched out as read_spans takes the lane's lock
+        def __init__(self, lock):
+            self.lock = lock
+
+        def __enter__(self):
+            if threading.current_thread().name.startswith("streamlane-") and \
+                    sys._getframe(1).f_code.co_name == "read_spans":
+                time.sleep(0.2)
+            return self.lock.__enter__()
+
+        def __exit__(self, *exc):
+            return self.lock.__exit__(*exc)
+
+    method = spin_program(300, "busy").method("forward", device=device)
+    with anyio.fail_after(30):
+        async with Scheduler(device, lanes=1, poll_us=0) as sched:
+            sched.lanes[0]._lock = PausingLock(sched.lanes[0]._lock)
+            for i in range(3):
+                job = await sched.submit(method, [data(i)])
+                await job
+                busy = sched.statistics()[0].busy_time_s
+                assert busy >= (i + 1) * 0.00025, busy
