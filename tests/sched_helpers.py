@@ -3,6 +3,8 @@ polling with a deadline, the thread-count baseline."""
 
 from __future__ import annotations
 
+import linecache
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -77,3 +79,39 @@ def wait_threads(baseline: int, timeout: float = 5.0) -> int:
     while threading.active_count() > baseline and time.monotonic() < deadline:
         time.sleep(0.01)
     return threading.active_count()
+
+
+class Interrupt(BaseException):
+    """What a signal handler's Ctrl-C is to the code it lands in, without pytest's own handling
+    of ``KeyboardInterrupt`` (which ends the session)."""
+
+
+class RaiseAt:
+    """Raise ``Interrupt`` as ``function`` reaches, the ``nth`` time, the line ``offset`` lines
+    after the first of its own holding ``text`` (before that line runs), on the thread that
+    uses it: ``with RaiseAt(Lane._read, "t1 = ref"): ...``. ``hits`` counts the line's runs."""
+
+    def __init__(self, function: Callable[..., object], text: str, *, offset: int = 0,
+                 nth: int = 1):
+        self.code = function.__code__
+        lines = linecache.getlines(self.code.co_filename)
+        self.line = offset + next(i for i, line in enumerate(lines, 1)
+                                  if i > self.code.co_firstlineno and text in line)
+        self.nth, self.hits = nth, 0
+
+    def _local(self, frame, event, arg):
+        if event == "line" and frame.f_lineno == self.line:
+            self.hits += 1
+            if self.hits == self.nth:
+                raise Interrupt
+        return self._local
+
+    def _trace(self, frame, event, arg):
+        return self._local if frame.f_code is self.code else None
+
+    def __enter__(self) -> RaiseAt:
+        sys.settrace(self._trace)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        sys.settrace(None)

@@ -14,6 +14,8 @@ import pytest
 from sched_helpers import (
     BACKENDS,
     Gate,
+    Interrupt,
+    RaiseAt,
     data,
     double_program,
     spin_program,
@@ -823,54 +825,25 @@ async def test_an_interrupt_as_a_lone_job_is_handed_over_leaves_no_job_counted(h
     """An interrupt on the loop as a lone caller-stream job is counted for its lane and held
     back (``submit``), or as the loop starts to enqueue it (``run``): the job is settled
     without a lane running it, and taken out of the lane's queued count."""
-    import linecache
-    import sys
+    from streamlane.sched.lane import Lane
 
-    from streamlane.sched import lane as lane_module
-    from streamlane.sched import scheduler as scheduler_module
-
-    class Interrupt(BaseException):
-        pass
-
-    if where == "submit":
-        code = scheduler_module.Scheduler._enqueue.__code__
-        text = "lane.park(job)"
-        offset = 1  # the line after it
-    else:
-        code = lane_module.Lane._execute.__code__
-        text = "if not job._take():"
-        offset = 0
-    lines = linecache.getlines(code.co_filename)
-    line = offset + next(i for i, t in enumerate(lines, 1)
-                         if i > code.co_firstlineno and text in t)
-    fired = []
-
-    def local(frame, event, arg):
-        if event == "line" and frame.f_lineno == line and not fired:
-            fired.append(1)
-            raise Interrupt
-        return local
-
-    def trace(frame, event, arg):
-        return local if frame.f_code is code else None
-
+    if where == "submit":  # the line after the job is counted for its lane
+        cut = RaiseAt(Scheduler._enqueue, "lane.park(job)", offset=1)
+    else:  # as the loop's enqueue starts
+        cut = RaiseAt(Lane._execute, "if not job._take():")
     method = double_program().method("forward", device=host)
     stream = host.create_stream()
     x = Result.from_host(data(0), host)
     with anyio.fail_after(30):
         async with Scheduler(host, lanes=1) as sched:
-            sys.settrace(trace)
-            try:
-                with pytest.raises(Interrupt):
-                    if where == "submit":
-                        await sched.submit(method, [x], stream=stream)
-                    else:
-                        await sched.run(method, [x], stream=stream)
-            finally:
-                sys.settrace(None)
+            with cut, pytest.raises(Interrupt):
+                if where == "submit":
+                    await sched.submit(method, [x], stream=stream)
+                else:
+                    await sched.run(method, [x], stream=stream)
             (y,) = await sched.run(method, [x], stream=stream)  # the scheduler goes on
             np.testing.assert_array_equal(y.to_host(), 2 * data(0))
-    assert fired
+    assert cut.hits == 1
     (stats,) = sched.statistics()
     assert (stats.queued, stats.in_flight, stats.completed, sched.pending) == (0, 0, 2, 0)
 

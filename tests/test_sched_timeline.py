@@ -12,7 +12,7 @@ import time
 import anyio
 import numpy as np
 import pytest
-from sched_helpers import BACKENDS, data, spin_program
+from sched_helpers import BACKENDS, Interrupt, RaiseAt, data, spin_program
 
 from streamlane.runtime import Result
 from streamlane.runtime.errors import InvalidArgument
@@ -278,48 +278,24 @@ async def test_spans_cut_short_by_an_interrupt_are_read_later_once(device, lane_
     """An exception other than ``Exception`` (a Ctrl-C) raised into ``timeline()`` while it
     reads pending spans: those not read yet are put back, so the next ``timeline()`` has every
     job once, and the busy time counts each once."""
-    import sys
-
-    from streamlane.sched import lane as lane_module
-
-    class Interrupt(BaseException):
-        pass
+    from streamlane.sched.lane import Lane
 
     held = lane_reads_held  # the lane's threads leave every span to the loop here
     method = spin_program(300, "cut").method("forward", device=device)
-    code = lane_module.Lane._read.__code__
-    import linecache
-
-    line = next(i for i, text in enumerate(linecache.getlines(code.co_filename), 1)
-                if "t1 = ref.elapsed_ms(note.end)" in text)
-    hits = []
-
-    def local(frame, event, arg):
-        if event == "line" and frame.f_lineno == line:
-            hits.append(1)
-            if len(hits) == 2:  # the second job's span, the first already recorded
-                raise Interrupt
-        return local
-
-    def trace(frame, event, arg):
-        return local if frame.f_code is code else None
-
+    # the second job's span, the first already recorded
+    cut = RaiseAt(Lane._read, "t1 = ref.elapsed_ms(note.end)", nth=2)
     with anyio.fail_after(30):
         async with Scheduler(device, lanes=4, poll_us=0) as sched:
             try:
                 for i in range(4):  # one per lane: a held thread settles nothing more
                     await sched.run(method, [data(i)], lane=i)
-                sys.settrace(trace)
-                try:
-                    with pytest.raises(Interrupt):
-                        sched.timeline()
-                finally:
-                    sys.settrace(None)
+                with cut, pytest.raises(Interrupt):
+                    sched.timeline()
                 spans = sched.timeline().spans
                 busy = sum(s.busy_time_s for s in sched.statistics())
             finally:
                 held.set()
-    assert len(hits) == 2
+    assert cut.hits == 2
     assert sorted(span.job for span in spans) == sorted({span.job for span in spans})
     assert len(spans) == 4, spans
     assert busy == pytest.approx(sum(span.duration_s for span in spans))
@@ -573,44 +549,21 @@ async def test_an_interrupt_in_the_loops_settle_leaves_the_counts_right(device, 
     """An interrupt as the loop settles a job it polled (between claiming and counting, where
     a signal can land) never leaves a job claimed but not counted: the lane's in-flight and
     completed counts stay right."""
-    import sys
+    from streamlane.sched.lane import Lane
 
-    from streamlane.sched import lane as lane_module
-
-    class Interrupt(BaseException):
-        pass
-
-    code = lane_module.Lane._settle.__code__
-    import linecache
-
-    line = next(i for i, text in enumerate(linecache.getlines(code.co_filename), 1)
-                if "claimed.append(job)" in text)
-    fired = []
-
-    def local(frame, event, arg):
-        if event == "line" and frame.f_lineno == line + 1 and not fired:
-            fired.append(1)  # the line after the job is claimed, counted and kept
-            raise Interrupt
-        return local
-
-    def trace(frame, event, arg):
-        return local if frame.f_code is code else None
-
+    # the line after the job is claimed, counted and kept
+    cut = RaiseAt(Lane._settle, "claimed.append(job)", offset=1)
     method = spin_program(300, "counted").method("forward", device=device)
     stream = device.create_stream()
     x = Result.from_host(data(0), device)
     with anyio.fail_after(30):
         async with Scheduler(device, lanes=1, poll_us=1e6) as sched:
             job = await sched.submit(method, [x], stream=stream)
-            sys.settrace(trace)
-            try:
-                with pytest.raises(Interrupt):
-                    await job  # the loop's poll settles it
-            finally:
-                sys.settrace(None)
+            with cut, pytest.raises(Interrupt):
+                await job  # the loop's poll settles it
             await job
             (stats,) = sched.statistics()
-    assert fired
+    assert cut.hits == 1
     assert (stats.in_flight, stats.completed) == (0, 1), stats
 
 
