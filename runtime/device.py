@@ -476,12 +476,12 @@ def get_device(name: str | None = None) -> Device:
         key = "host:0"
     kind, _, idx = key.partition(":")
     # ASCII digits only ("²".isdigit() is true), and one name per device: "cuda:01" is cuda:1
-    digits = idx.lstrip("0") or "0"  # "cuda:01" is cuda:1; int() refuses 4,300 digits
-    if kind not in ("host", "cuda") or not (idx.isascii() and idx.isdigit()) or len(digits) > 6:
+    # (no int() of the name: it refuses 4,300 digits)
+    idx = (idx.lstrip("0") or "0") if idx.isascii() and idx.isdigit() else ""
+    if kind not in ("host", "cuda") or not idx or len(idx) > 6:
         raise InvalidArgument(f"unknown device {name[:40]!r}{source}; valid names: "
                               f"{', '.join(BACKENDS)}")
-    key = f"{kind}:{int(digits)}"
-    idx = str(int(digits))
+    key = f"{kind}:{idx}"
     with _devices_lock:
         dev = _devices.get(key)
         if dev is None:

@@ -298,9 +298,8 @@ class Method:
         rule-4 handoff, inputs produced on other streams, output buffers still being read) are
         enqueued, just before its first step: where its own work starts (the scheduler's
         timing events)."""
-        if start is not None and not isinstance(start, Event):
-            raise InvalidArgument(f"{self.name}: execute(start=) takes an Event of "
-                                  f"{self.device.name} or None, got {type(start).__name__}")
+        if start is not None:
+            _check_start(self, start, "execute")
         if not self._guard.acquire(blocking=False):
             raise _busy(self, "execute")
         try:
@@ -402,9 +401,8 @@ class Method:
         """``set_inputs(values); execute(start=start); return get_outputs()`` as one call:
         another thread cannot run the method between the three (rule 4 refuses it with
         ``InvalidState`` instead), so the outputs are always those of ``values``."""
-        if start is not None and not isinstance(start, Event):
-            raise InvalidArgument(f"{self.name}: start= takes an Event of {self.device.name} "
-                                  f"or None, got {type(start).__name__}")
+        if start is not None:
+            _check_start(self, start, "__call__")
         if not self._guard.acquire(blocking=False):
             raise _busy(self, "__call__")
         try:
@@ -471,6 +469,12 @@ class Method:
         state = ("outputs ready" if self._outputs is not None else
                  "inputs set" if self._inputs_valid else "no inputs")
         return f"<Method {self.name} on {self.device.name}, {state}>"
+
+
+def _check_start(method: Method, start: object, what: str) -> None:
+    if not isinstance(start, Event):
+        raise InvalidArgument(f"{method.name}: {what}(start=) takes an Event of "
+                              f"{method.device.name} or None, got {type(start).__name__}")
 
 
 def _busy(method: Method, what: str) -> InvalidState:
