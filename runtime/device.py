@@ -57,8 +57,10 @@ class PreparedLaunch:
         in native byte order, aligned to their elements (a misaligned load is a CUDA fault),
         and outputs that overlap no other argument (``KernelSpec.in_place`` allows an output
         to be exactly an input)."""
+        impl = self.device._stream_impl(stream, f"run({self.spec.name})")
+        _check_arrays(self.device, self.spec.name, ins, outs)
         _check_memory(self.spec, ins, outs)
-        self.device._launch(self, stream._usable(), ins, outs)
+        self.device._launch(self, impl, ins, outs)
 
     def bind(self) -> Callable[[Stream, Sequence[DeviceArray], Sequence[DeviceArray]], None]:
         """A launcher of this launch with its own argument block: ``bound(stream, ins, outs)``
@@ -178,7 +180,8 @@ class Device(ABC):
         if nbytes <= 0 or nbytes > MAX_ALLOCATION:
             raise InvalidArgument(f"allocation size must be in 1..{MAX_ALLOCATION} bytes, got "
                                   f"{nbytes}")
-        ptr, impl = self._alloc(nbytes, None if stream is None else stream._usable())
+        ptr, impl = self._alloc(nbytes, None if stream is None else
+                                self._stream_impl(stream, "alloc"))
         with self._stats_lock:
             self.stats.allocations += 1
         return Buffer(self, ptr, nbytes, impl, uses)
@@ -198,7 +201,8 @@ class Device(ABC):
         if src.dtype != dst.dtype or src.shape != dst.shape:
             raise InvalidArgument(f"copy_from_host: source {src.dtype}{list(src.shape)} does not "
                                   f"match destination {dst.dtype}{list(dst.shape)}")
-        self._copy_h2d(dst, np.asarray(src, order="C"), stream._usable())
+        self._copy_h2d(dst, np.asarray(src, order="C"),
+                       self._stream_impl(stream, "copy_from_host"))
 
     def copy_to_host(self, dst: np.ndarray, src: DeviceArray, stream: Stream) -> None:
         """Enqueue a copy of ``src`` into host ``dst``; valid once ``stream`` has passed it."""
@@ -207,7 +211,7 @@ class Device(ABC):
                 or not dst.flags.c_contiguous or not dst.flags.writeable):
             raise InvalidArgument(f"copy_to_host: destination must be a writable C-contiguous "
                                   f"{src.dtype}{list(src.shape)} array")
-        self._copy_d2h(dst, src, stream._usable())
+        self._copy_d2h(dst, src, self._stream_impl(stream, "copy_to_host"))
 
     def copy(self, dst: DeviceArray, src: DeviceArray, stream: Stream) -> None:
         """Enqueue a device-to-device copy (same byte size)."""
@@ -215,16 +219,23 @@ class Device(ABC):
         self._check_array(src, "src")
         if dst.nbytes != src.nbytes:
             raise InvalidArgument(f"copy: {src.nbytes} B into {dst.nbytes} B")
-        self._copy_d2d(dst, src, stream._usable())
+        self._copy_d2d(dst, src, self._stream_impl(stream, "copy"))
 
     def to_device(self, array: Any, stream: Stream) -> DeviceArray:
-        array = np.asarray(array, order="C")
+        """A new device array holding a copy of host ``array``, enqueued on ``stream``."""
+        self._stream_impl(stream, "to_device")
+        try:
+            array = np.asarray(array, order="C")
+        except (TypeError, ValueError) as exc:  # ragged lists, objects numpy cannot convert
+            raise InvalidArgument(f"to_device: {type(array).__name__} is not array-like: "
+                                  f"{exc}") from None
         dst = self.empty(array.shape, array.dtype, stream)
         self.copy_from_host(dst, array, stream)
         return dst
 
     def to_host(self, src: DeviceArray, stream: Stream) -> np.ndarray:
         """Copy ``src`` to a new host array, waiting for ``stream`` (one host wait)."""
+        self._check_array(src, "src")
         out = np.empty(src.shape, src.dtype)
         self.copy_to_host(out, src, stream)
         stream.record().synchronize()
@@ -236,6 +247,12 @@ class Device(ABC):
                 params: Mapping[str, Any] | None = None, *, dtype: str = "float32",
                 extra: Mapping[str, Any] | None = None) -> PreparedLaunch:
         """Validate a launch once; raises ``InvalidArgument`` saying what is wrong."""
+        _check_params(params, kernel)
+        for what, shapes in (("in_shapes", in_shapes), ("out_shapes", out_shapes)):
+            if not isinstance(shapes, (list, tuple)) and not (shapes is None
+                                                              and what == "out_shapes"):
+                raise InvalidArgument(f"prepare({kernel!r}): {what} must be a list of shapes, "
+                                      f"got {type(shapes).__name__}")
         try:
             spec = get_kernel(kernel)
         except UnknownKernel as exc:
@@ -264,8 +281,9 @@ class Device(ABC):
     def launch(self, kernel: str, stream: Stream, ins: Sequence[DeviceArray],
                outs: Sequence[DeviceArray], params: Mapping[str, Any] | None = None) -> None:
         """Check and enqueue one kernel launch on ``stream``."""
-        for i, a in enumerate((*ins, *outs)):
-            self._check_array(a, f"argument {i} of {kernel}")
+        impl = self._stream_impl(stream, f"launch({kernel!r})")
+        _check_arrays(self, kernel, ins, outs)
+        _check_params(params, kernel)
         dtypes = {a.dtype.name for a in (*ins, *outs)}
         if len(dtypes) > 1:
             raise InvalidArgument(f"kernel {kernel!r}: arguments mix dtypes {sorted(dtypes)}")
@@ -281,7 +299,8 @@ class Device(ABC):
                                     params, dtype=dtype)
             if key is not None and len(self._launch_cache) < 4096:
                 self._launch_cache[key] = prepared
-        prepared.run(stream, ins, outs)
+        _check_memory(prepared.spec, ins, outs)  # PreparedLaunch.run without its first checks
+        self._launch(prepared, impl, ins, outs)
 
     def enqueue_callable(self, stream: Stream, fn: Any, ins: Sequence[DeviceArray],
                          outs: Sequence[DeviceArray]) -> None:
@@ -289,7 +308,8 @@ class Device(ABC):
         called now and must enqueue its work on ``stream`` (arrays expose
         ``__cuda_array_interface__``); on the host device it runs when the stream reaches it,
         with numpy arrays."""
-        self._enqueue_callable(stream._usable(), stream, fn, ins, outs)
+        self._enqueue_callable(self._stream_impl(stream, "enqueue_callable"), stream, fn, ins,
+                               outs)
 
     def _enqueue_callable(self, stream_impl: Any, stream: Stream, fn: Any,
                           ins: Sequence[DeviceArray], outs: Sequence[DeviceArray]) -> None:
@@ -310,6 +330,17 @@ class Device(ABC):
         return fn
 
     # -- shared checks ----------------------------------------------------------------------
+    def _stream_impl(self, stream: Any, what: str) -> Any:
+        """``stream._usable()`` for a Stream of this device; anything else is refused."""
+        if not isinstance(stream, Stream):
+            raise InvalidArgument(f"{what}: stream must be a Stream of {self.name} "
+                                  f"(device.create_stream(), device.per_thread_stream()), got "
+                                  f"{type(stream).__name__}")
+        if stream.device is not self:
+            raise InvalidArgument(f"{what}: {stream!r} belongs to {stream.device.name}, not "
+                                  f"{self.name}")
+        return stream._usable()
+
     def _check_array(self, a: Any, what: str) -> None:
         if not isinstance(a, DeviceArray):
             raise InvalidArgument(f"{what} must be a DeviceArray, got {type(a).__name__}")
@@ -444,9 +475,29 @@ def _check_shape(shape: Any) -> tuple[int, ...]:
 
 def _check_dtype(dtype: Any) -> np.dtype:
     try:
-        return np.dtype(dtype)
+        dt = np.dtype(dtype)
     except TypeError:
         raise InvalidArgument(f"unknown dtype {dtype!r}") from None
+    if dt.hasobject:
+        raise InvalidArgument(f"dtype {dt} holds Python objects, which device memory cannot; "
+                              f"convert the array to a numeric dtype first")
+    return dt
+
+
+def _check_arrays(device: Device, kernel: str, ins: Any, outs: Any) -> None:
+    """A launch's ``ins`` and ``outs``: lists (or tuples) of DeviceArrays of ``device``."""
+    for what, arrays in (("ins", ins), ("outs", outs)):
+        if not isinstance(arrays, (list, tuple)):
+            raise InvalidArgument(f"{kernel}: {what} must be a list of DeviceArrays, got "
+                                  f"{type(arrays).__name__}")
+    for i, a in enumerate((*ins, *outs)):
+        device._check_array(a, f"argument {i} of {kernel}")
+
+
+def _check_params(params: Any, kernel: str) -> None:
+    if params is not None and not isinstance(params, Mapping):
+        raise InvalidArgument(f"{kernel}: params must be a mapping of name to scalar (or "
+                              f"None), got {type(params).__name__}")
 
 
 # -- selection -------------------------------------------------------------------------------

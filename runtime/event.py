@@ -39,6 +39,8 @@ class Event:
     def elapsed_ms(self, end: Event) -> float:
         """Milliseconds from this event to ``end``; both must be timing events, recorded and
         complete."""
+        if not isinstance(end, Event):
+            raise InvalidArgument(f"elapsed_ms() takes the end Event, got {type(end).__name__}")
         if end.device is not self.device:
             raise InvalidArgument(f"{end!r} is on {end.device.name}, {self!r} on "
                                   f"{self.device.name}; time events of one device")

@@ -165,7 +165,12 @@ class Program:
         return doc
 
     def save(self, path: str | Path) -> None:
-        """Write the manifest to ``path`` and the constants to its sibling ``.npz``."""
+        """Write the manifest to ``path`` and the constants beside it: ``encoder.json`` →
+        ``encoder.npz``; a name not ending in ``.json`` gets ``.npz`` appended (``model.v1`` →
+        ``model.v1.npz``). The manifest records the constants file's name."""
+        if not isinstance(path, (str, os.PathLike)):
+            raise InvalidArgument(f"Program.save takes a path (str or os.PathLike), got "
+                                  f"{type(path).__name__}")
         if self.callables:
             raise NotSupported(f"program {self.name!r} has callable steps "
                                f"({', '.join(self.callables)}), which are Python code; format 1 "
@@ -173,9 +178,14 @@ class Program:
         path = Path(path)
         doc = self.to_manifest()
         if self.constants:
-            doc["constants"] = path.with_suffix(".npz").name
-            np.savez(path.with_suffix(".npz"), **{k: _npz_safe(v)
-                                                 for k, v in self.constants.items()})
+            npz = _constants_path(path)
+            if not _plain_file_name(npz.name):
+                raise InvalidArgument(f"save({str(path)!r}): its constants file would be named "
+                                      f"{npz.name!r}, which load() refuses (at most 255 bytes, "
+                                      f"no path separator, control character or leading dot); "
+                                      f"choose another manifest name")
+            doc["constants"] = npz.name
+            np.savez(npz, **{k: _npz_safe(v) for k, v in self.constants.items()})
         path.write_text(json.dumps(doc, indent=1) + "\n")
 
     # -- binding --------------------------------------------------------------------------
@@ -347,11 +357,23 @@ class MethodBuilder:
             raise InvalidProgram(f"{member_path('methods', self.name)}.steps[{len(self._steps)}]"
                                  ".callable",
                                  "a callable fn(stream, ins, outs)", type(fn).__name__)
+        step = f"{member_path('methods', self.name)}.steps[{len(self._steps)}]"
+        if not isinstance(ins, (list, tuple)):
+            raise InvalidProgram(f"{step}.in", "a list of tensor names", ins)
+        for j, n in enumerate(ins):  # checked before the builder changes (as step() does)
+            if not isinstance(n, str) or self._known(n) is None:
+                raise InvalidProgram(f"{step}.in[{j}]", "the name of an input, constant or "
+                                     "earlier step's output of this method", n)
+        if name is not None and not isinstance(name, str):
+            raise InvalidProgram(f"{step}.callable", "a str name for the callable (or None)",
+                                 name)
         name = name or getattr(fn, "__name__", "callable")
+        if not isinstance(name, str):
+            name = "callable"
         base, n = name, 1
         while name in self._parent._callables and self._parent._callables[name] is not fn:
             name, n = f"{base}_{n}", n + 1
-        where = f"{member_path('methods', self.name)}.steps[{len(self._steps)}].out"
+        where = f"{step}.out"
         if not isinstance(outs, (list, tuple)):
             raise InvalidProgram(where, "a list of (name, dtype, shape) outputs", outs)
         for j, out in enumerate(outs):
@@ -421,12 +443,32 @@ def _npz_safe(v: np.ndarray) -> np.ndarray:
     return v.view(np.uint16) if dtype_name(v.dtype) == "bfloat16" else v
 
 
+def _constants_path(manifest: Path) -> Path:
+    """Where ``Program.save(manifest)`` writes the constants: ``encoder.json`` →
+    ``encoder.npz``; any other name gets ``.npz`` appended (``model.v1`` → ``model.v1.npz``),
+    so that manifests differing only after their last dot never share one constants file."""
+    if manifest.suffix == ".json":
+        return manifest.with_suffix(".npz")
+    return manifest.with_name(manifest.name + ".npz")
+
+
+def _plain_file_name(name: str) -> bool:
+    """A file name beside the manifest: not empty, at most 255 bytes of UTF-8, no path
+    separator, NUL or other control character, no leading dot (nothing hidden, no ``..``)."""
+    try:
+        size = len(name.encode("utf-8"))
+    except UnicodeEncodeError:  # a lone surrogate
+        return False
+    return (0 < size <= 255 and not name.startswith(".") and "/" not in name
+            and "\\" not in name and name.isprintable())
+
+
 def _read_npz(folder: Path, name: str, headers_only: bool = False) -> dict[str, np.ndarray]:
     """The arrays of the constants file: every member a plain ``.npy`` whose header agrees with
     its size, checked before anything is allocated (a 16-byte member may claim 10**12
     elements). Whatever the archive does wrong is an ``InvalidProgram``. ``headers_only``:
     read-only stand-ins of each member's dtype and shape (one element of memory each)."""
-    if not _NAME.fullmatch(name) or "/" in name or "\\" in name or name.startswith("."):
+    if not _plain_file_name(name):
         raise InvalidProgram("constants", "a plain file name beside the manifest", name)
     path = folder / name
     try:
@@ -655,6 +697,11 @@ class _Validator:
                 raise InvalidProgram(f"{where}.callable", "the name of a callable given to the "
                                      "program (callables exist only in Python-built programs)",
                                      target)
+            if not callable(self.callables[target]):
+                kind = type(self.callables[target]).__name__
+                raise InvalidProgram(f"{where}.callable", f"the name of a callable fn(stream, "
+                                     f"ins, outs); callables[{target!r}] is not callable: "
+                                     f"{kind}", target)
             if params:
                 raise InvalidProgram(f"{where}.params", "no params for a callable step", params)
         else:

@@ -24,10 +24,10 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from .errors import InvalidArgument, InvalidState, StreamClosed
+from .event import Event
 
 if TYPE_CHECKING:
     from .device import Device
-    from .event import Event
 
 __all__ = ["CallerStream", "Stream", "current_stream"]
 
@@ -85,6 +85,8 @@ class Stream:
         impl = self._usable()
         if event is None:
             event = self.device.create_event()
+        elif not isinstance(event, Event):
+            raise _not_an_event("record", event)
         elif event.device is not self.device:
             raise InvalidArgument(f"{event!r} belongs to {event.device.name}, this stream to "
                                   f"{self.device.name}; record an event of the stream's device")
@@ -95,6 +97,8 @@ class Stream:
         """Make later work on this stream wait, on the device, until ``event`` has completed.
         No host round trip."""
         impl = self._usable()
+        if not isinstance(event, Event):
+            raise _not_an_event("wait", event)
         if event.device is not self.device:
             raise InvalidArgument(f"{event!r} belongs to {event.device.name} but this stream to "
                                   f"{self.device.name}; a stream can only wait on events of its "
@@ -285,3 +289,8 @@ def no_caller_stream() -> Iterator[None]:
         yield
     finally:
         _selection.stack = saved if saved is not None else []
+
+
+def _not_an_event(what: str, value: Any) -> InvalidArgument:
+    return InvalidArgument(f"Stream.{what}() takes an Event (device.create_event() or "
+                           f"stream.record()), got {type(value).__name__}")

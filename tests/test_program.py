@@ -53,6 +53,40 @@ def test_save_round_trips_exactly(tmp_path):
                                                                                '"r.npz"')
 
 
+def small(w: float) -> Program:
+    b = Program.build("p", constants={"w": np.full((2, 2), w, np.float32)})
+    m = b.method("f", x=("float32", [2, 2]))
+    m.output(m.step("matmul", "x", "w", out="y"))
+    return b.finish()
+
+
+def test_manifests_differing_after_their_last_dot_keep_their_own_constants(tmp_path):
+    one, two = small(1.0), small(2.0)
+    one.save(tmp_path / "model.v1")
+    two.save(tmp_path / "model.v2")
+    assert Program.load(tmp_path / "model.v1") == one
+    assert Program.load(tmp_path / "model.v2") == two
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "model.v1", "model.v1.npz", "model.v2", "model.v2.npz"]
+    one.save(tmp_path / "weights.npz")  # a manifest named .npz does not overwrite itself
+    assert Program.load(tmp_path / "weights.npz") == one
+
+
+@pytest.mark.parametrize("name", ["2024-enc.json", "my model.json", "enc+v2.json",
+                                  "modèle.json", "enc(1).json", "x" * 200 + ".json"])
+def test_what_save_writes_load_reads(tmp_path, name):
+    small(3.0).save(tmp_path / name)
+    assert Program.load(tmp_path / name) == small(3.0)
+
+
+def test_save_refuses_a_name_whose_constants_file_load_would_refuse(tmp_path):
+    with pytest.raises(InvalidArgument, match="choose another manifest name"):
+        small(1.0).save(tmp_path / ("x" * 253))  # x...x.npz: 257 bytes
+    assert list(tmp_path.iterdir()) == []  # nothing written
+    with pytest.raises(InvalidArgument, match="a path"):
+        small(1.0).save(3)  # type: ignore[arg-type]
+
+
 def test_builder_makes_the_same_object_as_a_file(tmp_path):
     built = build_encoder()
     built.save(tmp_path / "encoder.json")
@@ -154,6 +188,70 @@ def test_programs_with_callables_refuse_to_save(tmp_path):
     m.output("y")
     with pytest.raises(NotSupported, match="callable"):
         b.finish().save(tmp_path / "c.json")
+
+
+def test_a_callable_step_refuses_a_bad_ins_without_changing_the_builder():
+    b = Program.build("c")
+    m = b.method("forward", x=("float32", [4]))
+
+    def double(stream, ins, outs):
+        pass
+
+    for ins, path in ((5, "methods.forward.steps[0].in"), (None, "methods.forward.steps[0].in"),
+                      (["nope"], "methods.forward.steps[0].in[0]"),
+                      ([1], "methods.forward.steps[0].in[0]")):
+        with pytest.raises(InvalidProgram) as info:
+            m.call(double, ins, [("y", "float32", [4])])  # type: ignore[arg-type]
+        assert info.value.path == path
+    m.call(double, ["x"], [("y", "float32", [4])])  # the builder is as it was: this works
+    m.output("y")
+    assert list(b.finish().callables) == ["double"]
+
+
+def test_from_manifest_refuses_a_callable_that_is_not_callable():
+    doc = {"format": 1, "name": "c", "methods": {"f": {
+        "inputs": [{"name": "x", "dtype": "float32", "shape": [2]}], "buffers": [],
+        "steps": [{"callable": "double", "in": ["x"], "out": ["y"]}],
+        "outputs": [{"name": "y", "dtype": "float32", "shape": [2]}]}}}
+    with pytest.raises(InvalidProgram, match="not callable") as info:
+        Program.from_manifest(doc, callables={"double": 5})
+    assert info.value.path == "methods.f.steps[0].callable"
+    assert Program.from_manifest(doc, callables={"double": lambda s, i, o: None})
+
+
+def test_examples_path_refuses_an_unknown_name():
+    from streamlane.runtime.examples import path
+
+    with pytest.raises(InvalidArgument, match="encoder, decoder"):
+        path("nope")
+    with pytest.raises(InvalidArgument):
+        path(["encoder"])  # type: ignore[arg-type]
+
+
+def test_errors_survive_pickle_and_copy_with_their_fields():
+    import pickle
+
+    from streamlane.runtime.errors import DeviceError, InvalidInput, KernelCompileError
+    from streamlane.sched.errors import SchedulerBroken
+
+    cases = [(InvalidProgram("methods.f.steps[0].kernel", "a kernel", "nope"),
+              ("path", "expected", "got")),
+             (InvalidInput("p.f", 0, "float32[2]", "float64", "cast it"),
+              ("method", "index", "expected", "got", "hint")),
+             (DeviceError("boom", "CUDA_ERROR_ILLEGAL_ADDRESS"), ("code",)),
+             (KernelCompileError("relu", "NVRTC_ERROR_COMPILATION", "log"),
+              ("kernel", "code", "log")),
+             (SchedulerBroken("lost", "CUDA_ERROR_LAUNCH_FAILED"), ("code",))]
+    for error, fields in cases:
+        for twin in (pickle.loads(pickle.dumps(error)), copy.copy(error)):
+            assert type(twin) is type(error) and str(twin) == str(error)
+            for name in fields:
+                assert getattr(twin, name) == getattr(error, name), name
+    # what a process pool does with an untrusted manifest's error
+    with pytest.raises(InvalidProgram) as info:
+        Program.from_manifest({"format": 2})
+    rebuilt = pickle.loads(pickle.dumps(info.value))
+    assert rebuilt.path == "name"  # the first field checked
 
 
 def mutate(doc, path, value):

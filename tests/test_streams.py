@@ -315,11 +315,33 @@ def test_event_from_another_device_is_refused():
     class OtherDevice:
         name = "other:0"
 
-    class FakeEvent:
-        device = OtherDevice()
+    from streamlane.runtime.event import Event
 
+    other = Event(OtherDevice(), None, False)  # type: ignore[arg-type]
     with pytest.raises(InvalidArgument, match="own device"):
-        host.per_thread_stream().wait(FakeEvent())  # type: ignore[arg-type]
+        host.per_thread_stream().wait(other)
+    with pytest.raises(InvalidArgument, match="record an event of the stream's device"):
+        host.per_thread_stream().record(other)
+
+
+@pytest.mark.parametrize("call", ["wait", "record", "elapsed_ms"])
+@pytest.mark.parametrize("value", [None, "e", 5, object()])
+def test_a_non_event_is_refused_as_an_invalid_argument(call, value):
+    host = get_device("host")
+    stream = host.create_stream()
+    try:
+        if call == "elapsed_ms":
+            start = stream.record(host.create_event(timing=True))
+            start.synchronize()
+            with pytest.raises(InvalidArgument, match="end Event"):
+                start.elapsed_ms(value)
+        elif value is None and call == "record":
+            assert stream.record(value).device is host  # None: a new event
+        else:
+            with pytest.raises(InvalidArgument, match="takes an Event"):
+                getattr(stream, call)(value)
+    finally:
+        stream.close()
 
 
 def test_host_waits_are_counted_once_per_synchronize(device):
@@ -497,6 +519,37 @@ def test_injected_delay_stalls_only_that_stream(host):
     a.synchronize()
     slow.close()
     fast.close()
+
+
+def test_device_calls_refuse_arguments_of_the_wrong_kind(device):
+    s = device.per_thread_stream()
+    a = device.to_device(np.ones(2, np.float32), s)
+    o = device.empty((2,), "float32", s)
+    prepared = device.prepare("relu", [(2,)])
+    for call in (lambda: device.launch("relu", None, [a], [o]),
+                 lambda: device.launch("relu", "s", [a], [o]),
+                 lambda: device.launch("scale", s, [a], [o], [1]),
+                 lambda: device.launch("relu", s, a, [o]),
+                 lambda: device.launch("relu", s, [a], o),
+                 lambda: device.prepare("relu", [(2,)], params=[1]),
+                 lambda: device.prepare("relu", 2),
+                 lambda: prepared.run(None, [a], [o]),
+                 lambda: prepared.run(s, a, [o]),
+                 lambda: prepared.run(s, [np.ones(2, np.float32)], [o]),
+                 lambda: device.to_device(np.array([1.0, None]), s),
+                 lambda: device.to_device([[1.0], [1.0, 2.0]], s),
+                 lambda: device.to_device(np.ones(2, np.float32), None),
+                 lambda: device.empty((2,), object),
+                 lambda: device.alloc(8, "stream"),
+                 lambda: device.copy_from_host(o, np.ones(2, np.float32), None),
+                 lambda: device.copy(o, a, 0),
+                 lambda: device.to_host(a, None),
+                 lambda: device.to_host(np.ones(2), s),
+                 lambda: device.enqueue_callable(None, lambda *x: None, [a], [o])):
+        with pytest.raises(InvalidArgument):
+            call()
+    device.launch("relu", s, [a], [o])  # and the device is fine
+    np.testing.assert_array_equal(device.to_host(o, s), np.ones(2, np.float32))
 
 
 def test_checked_launch_revalidates_new_signatures(device):

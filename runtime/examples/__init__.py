@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import InvalidArgument
 from ..program import Program
 
 __all__ = ["EXAMPLES", "build_decoder", "build_encoder", "load", "path"]
@@ -18,8 +19,8 @@ _HERE = Path(__file__).parent
 
 def path(name: str) -> Path:
     """The manifest path of a shipped example."""
-    if name not in EXAMPLES:
-        raise KeyError(f"no example {name!r}; examples: {', '.join(EXAMPLES)}")
+    if not isinstance(name, str) or name not in EXAMPLES:
+        raise InvalidArgument(f"no example {name!r}; examples: {', '.join(EXAMPLES)}")
     return _HERE / f"{name}.json"
 
 
