@@ -166,14 +166,20 @@ def _demo(args: argparse.Namespace) -> int:
     console.print("overlap: sum of job durations / time any job ran (timing events); speedup: "
                   "one-lane wall time / wall time; correct: outputs within rtol 1e-3 of the "
                   "float64 reference")
+    failed = []
     for r in results:
-        console.print(f"{r.config}: timeline {r.files[0]}, trace {r.files[1]}", markup=False,
-                      highlight=False, soft_wrap=True)  # paths are printed whole, as written
+        if r.files:
+            console.print(f"{r.config}: " + ", ".join(
+                f"{'timeline' if f.suffix == '.png' else 'trace'} {f}" for f in r.files),
+                markup=False, highlight=False, soft_wrap=True)  # paths printed whole
+        failed += r.file_errors
     if device.kind == "host":
         console.print("[dim]host device: kernels are numpy on CPU threads that share the cores "
                       "and the GIL, so jobs run longer side by side: overlap above 1x here need "
                       "not mean faster (see speedup). Run on a GPU for device figures.[/dim]")
-    return 0 if all(r.correct == r.checked for r in results) else 1
+    for message in failed:
+        _fail(message, 1)
+    return 0 if all(r.correct == r.checked for r in results) and not failed else 1
 
 
 if __name__ == "__main__":

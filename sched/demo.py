@@ -54,7 +54,8 @@ class DemoResult:
     checked: int
     max_error: float
     timeline: Timeline
-    files: list[Path] = field(default_factory=list)
+    files: list[Path] = field(default_factory=list)  # written
+    file_errors: list[str] = field(default_factory=list)  # one line per file not written
 
 
 @dataclass
@@ -156,7 +157,11 @@ async def _run(config: str, device: Device, p: _Programs, xs: list[np.ndarray],
             correct += bool(np.allclose(got, want, rtol=RTOL, atol=ATOL))
     png, trace = output_files(out, config)
     result = DemoResult(config, wall, timeline.overlap(), correct, 2 * len(xs), worst, timeline)
-    result.files.append(timeline.plot(png, title=f"{config} on {device.name}: overlap "
-                                                 f"{timeline.overlap():.2f}x"))
-    result.files.append(timeline.to_chrome_trace(trace))
+    title = f"{config} on {device.name}: overlap {timeline.overlap():.2f}x"
+    for write, path in ((lambda: timeline.plot(png, title=title), png),
+                        (lambda: timeline.to_chrome_trace(trace), trace)):
+        try:  # a file that cannot be written (a full disk, a path taken meanwhile) is reported,
+            result.files.append(write())  # not fatal: the run's figures are still good
+        except OSError as exc:
+            result.file_errors.append(f"cannot write {path}: {exc.strerror or exc}")
     return result

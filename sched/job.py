@@ -108,6 +108,7 @@ class Job:
     __slots__ = (
         "__weakref__",
         "_accounted",
+        "_busy_key",
         "_calls",
         "_claimed",
         "_counted",
@@ -158,6 +159,7 @@ class Job:
         self._track_handle: int | None = None  # the caller stream's handle, once enqueued
         self._start_event: Event | None = None  # timing=True: the lane's to reuse once read
         self._stream_key: Any = None
+        self._busy_key: Any = None  # the stream it counts as busy (Scheduler._count_stream)
         self._enqueue_error: BaseException | None = None
         self._not_run_state = ""  # with _enqueue_error: how it settles (failed or cancelled)
         self._calls = 0  # driver calls it queues on the device, about (set by the scheduler)

@@ -244,7 +244,11 @@ class Lane:
         if job._parked:  # looked at before its await: start it (a caller may poll done())
             self._core.start_parked()
         self.release(job)
-        if job._finished or not job._is_published or job._enqueue_error is not None:
+        if job._finished or not job._is_published:
+            return
+        if job._enqueue_error is not None:  # failed or cancelled before reaching the device:
+            # its lane has counted it and posted its settle, which the loop has not run yet
+            self._core.finish(job, job._not_run_state or FAILED, job._enqueue_error)
             return
         if not job._claimed and self.settle_if_complete(job):
             return
@@ -578,7 +582,8 @@ class Lane:
             error = core.broken_error()
             if error is not None:
                 raise error
-            # When cancelling, the dependency is cancelled too and publishes shortly.
+            if core.cancelling:  # the job is refused next (_refused): its dependency may be
+                return  # another scheduler's job, which our error exit does not cancel
 
     def _not_run(self, job: Job, state: str, error: BaseException) -> None:
         with self._lock:

@@ -56,7 +56,7 @@ import numpy as np
 from anyio.lowlevel import checkpoint, checkpoint_if_cancelled
 
 from streamlane.runtime import CallerStream, Device, Event, Method, Result, Stream, get_device
-from streamlane.runtime.errors import InvalidArgument, InvalidState, StreamClosed
+from streamlane.runtime.errors import InvalidArgument, InvalidState, NotSupported, StreamClosed
 
 from ._wakeup import LoopWaker
 from .errors import ClosedStreamGiven, SchedulerBroken, SchedulerClosed, TimingStallWarning
@@ -121,6 +121,24 @@ def _caller_level() -> int:
     while frame is not None and os.path.dirname(frame.f_code.co_filename) == _HERE:
         frame, level = frame.f_back, level + 1
     return level
+
+
+def _busy_key(job: Job) -> Any:
+    """The stream ``job`` keeps busy, for counting streams against hardware queues: its lane,
+    or its caller stream's driver handle (one stream passed through several wrapper objects,
+    as torch's ``current_stream()`` returns, counts once). A foreign object whose
+    ``__cuda_stream__`` fails here counts by identity: its lane reports the error."""
+    stream = job.stream
+    if stream is None:
+        return job.lane
+    if isinstance(stream, Stream):
+        return stream.handle
+    try:
+        proto = stream.__cuda_stream__
+        value = proto() if callable(proto) else proto
+        return int(value[1])
+    except Exception:
+        return stream
 
 
 def _closed_stream_given(stream: Stream) -> ClosedStreamGiven:
@@ -384,7 +402,10 @@ class Scheduler:
         on the device (no host round trip). ``stream=`` runs it under ``CallerStream(stream)``
         (a Stream of this device, or any object with ``__cuda_stream__``). Inputs are numpy
         arrays (copied now, so the caller may reuse them), Results, or ``JobOutput``s of
-        earlier jobs (``job.outputs[i]``), which are ordered like ``after=``.
+        earlier jobs (``job.outputs[i]``), which are ordered like ``after=``; any other input
+        the method takes (DLPack, ``__array__``, ``__cuda_array_interface__`` objects) is read
+        when the lane runs the job, so it must stay unchanged until the job is awaited. A
+        method made with ``clone_outputs=False`` is refused (``NotSupported``).
 
         Returns once the job is queued for its lane, waiting while the lane is full. A lone
         caller-stream job that cannot block (see the module's guarantees) is enqueued by the
@@ -412,6 +433,13 @@ class Scheduler:
             raise InvalidArgument(f"{method.name} is bound to {method.device.name}, but this "
                                   f"scheduler runs {self.device.name}; bind it with "
                                   f"program.method(name, device=scheduler.device)")
+        if not method.clone_outputs:
+            raise NotSupported(
+                f"submit({method.name}): the method was made with clone_outputs=False, so its "
+                f"outputs are views that each execute overwrites; the scheduler decides when "
+                f"each job's execute runs, so a job's outputs could be overwritten before its "
+                f"await or a job reading them got to them. Make the method with "
+                f"clone_outputs=True (the default): outputs then take turns in two buffers")
         if not isinstance(inputs, (list, tuple)):
             raise InvalidArgument(f"submit({method.name}): inputs must be a list, got "
                                   f"{type(inputs).__name__}")
@@ -589,7 +617,10 @@ class Scheduler:
         """Count ``job`` in (+1) or out (-1) of the streams with jobs pending. Returns the
         device's hardware queues, once, when they are outnumbered: ``_stall_warning``."""
         busy = self._busy_streams
-        key = id(job.stream) if job.stream is not None else id(job.lane)
+        if delta > 0:
+            key = job._busy_key = _busy_key(job)
+        else:
+            key = job._busy_key
         count = busy.get(key, 0) + delta
         if count > 0:
             busy[key] = count

@@ -101,6 +101,22 @@ def test_user_text_is_printed_as_it_is_not_as_markup(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+def test_an_output_file_that_cannot_be_written_is_one_line_after_the_table(tmp_path):
+    """A file the --out check cannot foresee (a dangling link in its place; a full disk is the
+    same): the runs and the table are still shown, the file is a one-line error, status 1."""
+    (tmp_path / "trace-two-lanes.json").symlink_to(tmp_path / "missing" / "x.json")
+    proc = demo("--device", "host", "--requests", "2", "--out", str(tmp_path))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "4/4" in proc.stdout and "caller streams" in proc.stdout  # the table
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"streamlane demo: cannot write {tmp_path / 'trace-two-lanes.json'}: No such file or "
+        f"directory"], proc.stderr
+    assert f"two lanes: timeline {tmp_path / 'timeline-two-lanes.png'}" in \
+        " ".join(proc.stdout.split())
+    assert (tmp_path / "trace-one-lane.json").exists()
+
+
 def test_forcing_cuda_without_a_gpu_names_the_command_line_way_out():
     from streamlane.runtime import cuda
 

@@ -863,3 +863,22 @@ async def test_failed_jobs_whose_error_was_seen_are_not_kept(host):
                     await job
             kept = len(sched._unobserved)
     assert kept < 200, kept
+
+
+@pytest.mark.anyio
+async def test_a_method_whose_outputs_are_views_is_refused(device):
+    """clone_outputs=False outputs are views each execute overwrites; the scheduler picks when
+    executes run, so it cannot keep a job's outputs for its await or its consumers."""
+    from streamlane.runtime.errors import NotSupported
+
+    views = double_program("views").method("forward", device=device, clone_outputs=False)
+    with anyio.fail_after(30):
+        async with Scheduler(device, lanes=1) as sched:
+            with pytest.raises(NotSupported, match="clone_outputs=True"):
+                await sched.submit(views, [data(0)])
+            with pytest.raises(NotSupported, match="clone_outputs=False"):
+                await sched.run(views, [data(0)])
+            assert sched.pending == 0 and sched.statistics()[0].queued == 0
+            (y,) = await sched.run(double_program("copies").method("forward", device=device),
+                                   [data(0)])
+    np.testing.assert_allclose(y.to_host(), 2 * data(0), rtol=1e-6)

@@ -731,6 +731,56 @@ async def test_a_dependency_on_another_schedulers_job_never_blocks_the_loop(devi
     np.testing.assert_allclose(y.to_host(), 4 * data(10), rtol=1e-6)
 
 
+async def test_leaving_on_an_error_does_not_wait_for_another_schedulers_job(device):
+    """On an error exit, a job waiting (on its lane thread) for a dependency of another
+    scheduler is cancelled at once: the other scheduler's job is not ours to cancel, and
+    may be held for as long as its owner likes (here a Gate, opened after 5 s)."""
+    first = double_program("held").method("forward", device=device)
+    second = double_program("waits").method("forward", device=device)
+    gate = Gate(data(11), timeout=5)
+    with anyio.fail_after(30):
+        async with Scheduler(device, lanes=1) as one:
+            a = await one.submit(first, [gate])
+            await anyio.to_thread.run_sync(gate.entered.wait, 5)
+            with pytest.raises(RuntimeError, match="leaving"):
+                async with Scheduler(device, lanes=1) as two:
+                    b = await two.submit(second, [a.outputs[0]], after=[a])
+                    await anyio.sleep(0.05)  # its lane thread waits for a to be enqueued
+                    t = time.perf_counter()
+                    raise RuntimeError("leaving on an error")
+            took = time.perf_counter() - t
+            gate.open()
+            await a
+    assert took < 1.0, f"the error exit waited {took:.2f} s for the other scheduler"
+    assert b.state == "cancelled"
+
+
+async def test_a_job_failed_before_the_device_is_seen_failed_without_a_loop_turn(device):
+    """done(), state and exception() settle a job its lane refused (a bad input, a failed
+    dependency) as they settle one the device finished: code polling without yielding sees
+    it, and it never reads 'queued' beside a later job of its lane that reads 'done'."""
+    method = double_program("refused").method("forward", device=device)
+    other = double_program("after").method("forward", device=device)
+    bad = np.zeros((3, 3), np.float32)
+    with anyio.fail_after(30):
+        async with Scheduler(device, lanes=2) as sched:
+            refused = await sched.submit(method, [bad], lane=0)
+            dependent = await sched.submit(other, [refused.outputs[0]], lane=1)
+            later = await sched.submit(method, [data(1)], lane=0)
+            for job in (refused, dependent, later):
+                deadline = time.monotonic() + 5
+                while not job.done() and time.monotonic() < deadline:
+                    time.sleep(0.001)  # the loop never turns
+            assert (refused.state, dependent.state, later.state) == ("failed", "failed", "done")
+            assert isinstance(refused.exception(), InvalidInput)
+            assert type(dependent.exception()).__name__ == "DependencyFailed"
+            with pytest.raises(InvalidInput):
+                await refused
+            (y,) = await later
+    assert sched.pending == 0 and sched.statistics()[0].queued == 0
+    np.testing.assert_allclose(y.to_host(), 2 * data(1), rtol=1e-6)
+
+
 async def test_a_submit_settles_a_completed_lone_job_and_is_lone_in_turn(device,
                                                                          executing_threads):
     """Many tasks awaiting small jobs on caller streams relay through the lone-job path: a

@@ -100,6 +100,37 @@ async def test_without_timing_events_nothing_stalls_and_nothing_warns(device, mo
     assert not _stalls(await _burst(device, 5, timing=False))
 
 
+class _Wrapper:
+    """What torch.cuda.current_stream() gives: a new object per call, for one stream."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def __cuda_stream__(self):
+        return (0, self._stream.handle)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("wrap", ["foreign", "wrap_stream"])
+async def test_one_stream_through_many_wrapper_objects_counts_once(device, monkeypatch, wrap):
+    monkeypatch.setattr(device, "hardware_queues", 1)
+    method = spin_program(SPIN_US, "wrapped").method("forward", device=device)
+    stream = device.create_stream()
+    with anyio.fail_after(30), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        async with Scheduler(device, lanes=1) as sched:
+            jobs = []
+            for i in range(3):
+                each = _Wrapper(stream) if wrap == "foreign" else device.wrap_stream(
+                    _Wrapper(stream))
+                jobs.append(await sched.submit(method, [data(i)], stream=each))
+            for job in jobs:
+                await job
+            assert len(sched.timeline().tracks()) == 1
+    assert not _stalls(caught), [str(w.message) for w in caught]
+    stream.close()
+
+
 @pytest.mark.anyio
 async def test_a_stream_stops_counting_once_its_jobs_finish(device, monkeypatch):
     monkeypatch.setattr(device, "hardware_queues", 2)
