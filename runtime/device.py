@@ -249,8 +249,8 @@ class Device(ABC):
         """Validate a launch once; raises ``InvalidArgument`` saying what is wrong."""
         _check_params(params, kernel)
         for what, shapes in (("in_shapes", in_shapes), ("out_shapes", out_shapes)):
-            if not isinstance(shapes, (list, tuple)) and not (shapes is None
-                                                              and what == "out_shapes"):
+            if (not isinstance(shapes, (Sequence, np.ndarray)) or isinstance(shapes, (str, bytes))
+                    ) and not (shapes is None and what == "out_shapes"):
                 raise InvalidArgument(f"prepare({kernel!r}): {what} must be a list of shapes, "
                                       f"got {type(shapes).__name__}")
         try:
@@ -485,9 +485,10 @@ def _check_dtype(dtype: Any) -> np.dtype:
 
 
 def _check_arrays(device: Device, kernel: str, ins: Any, outs: Any) -> None:
-    """A launch's ``ins`` and ``outs``: lists (or tuples) of DeviceArrays of ``device``."""
+    """A launch's ``ins`` and ``outs``: sequences (lists, tuples, ...) of DeviceArrays of
+    ``device``."""
     for what, arrays in (("ins", ins), ("outs", outs)):
-        if not isinstance(arrays, (list, tuple)):
+        if not isinstance(arrays, Sequence) or isinstance(arrays, (str, bytes)):
             raise InvalidArgument(f"{kernel}: {what} must be a list of DeviceArrays, got "
                                   f"{type(arrays).__name__}")
     for i, a in enumerate((*ins, *outs)):

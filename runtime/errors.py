@@ -23,7 +23,20 @@ __all__ = [
 
 
 class StreamlaneError(Exception):
-    """Base class of every error streamlane raises on purpose."""
+    """Base class of every error streamlane raises on purpose.
+
+    Errors pickle and copy whole (a process pool hands them back): the message as it was and
+    the structured fields, without calling the subclass's ``__init__`` again (its arguments
+    are not the message)."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _rebuild, (type(self), self.args), self.__dict__
+
+
+def _rebuild(cls: type[StreamlaneError], args: tuple[Any, ...]) -> StreamlaneError:
+    error = cls.__new__(cls)
+    error.args = args
+    return error
 
 
 class InvalidArgument(StreamlaneError, ValueError):
@@ -45,10 +58,6 @@ class InvalidInput(InvalidArgument):
         where = f"method {method!r}" if index is None else f"input {index} of method {method!r}"
         msg = f"{where}: expected {expected}, got {got}"
         super().__init__(msg + (f"; {hint}" if hint else ""))
-
-    def __reduce__(self) -> tuple[Any, ...]:  # pickle, copy: rebuilt from the fields
-        return type(self), (self.method, self.index, self.expected, self.got, self.hint), \
-            self.__dict__
 
 
 class NotSupported(StreamlaneError):
@@ -73,9 +82,6 @@ class InvalidProgram(StreamlaneError):
             msg += f", got {text if len(text) <= 80 else text[:77] + '...'}"
         super().__init__(msg)
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return type(self), (self.path, self.expected, self.got), self.__dict__
-
 
 class InvalidState(StreamlaneError):
     """An operation was called in a state that does not allow it (the message says which call
@@ -94,11 +100,7 @@ class DeviceError(StreamlaneError):
 
     def __init__(self, message: str, code: str | None = None):
         self.code = code
-        self._message = message
         super().__init__(f"{code}: {message}" if code else message)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return type(self), (self._message, self.code), self.__dict__
 
 
 class KernelCompileError(DeviceError):
@@ -108,6 +110,3 @@ class KernelCompileError(DeviceError):
         self.kernel = kernel
         self.log = log
         super().__init__(f"compiling kernel {kernel!r} failed; NVRTC log:\n{log}", code)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return type(self), (self.kernel, self.code, self.log), self.__dict__

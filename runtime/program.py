@@ -9,6 +9,7 @@ import json
 import math
 import os
 import re
+import unicodedata
 import zipfile
 import zlib
 from collections.abc import Callable, Mapping, Sequence
@@ -176,14 +177,16 @@ class Program:
                                f"({', '.join(self.callables)}), which are Python code; format 1 "
                                f"stores kernel steps only. Keep callable programs in Python")
         path = Path(path)
+        if path.is_dir():
+            raise InvalidArgument(f"save({str(path)!r}): that is a folder; name the manifest "
+                                  f"file in it")
         doc = self.to_manifest()
         if self.constants:
             npz = _constants_path(path)
-            if not _plain_file_name(npz.name):
-                raise InvalidArgument(f"save({str(path)!r}): its constants file would be named "
-                                      f"{npz.name!r}, which load() refuses (at most 255 bytes, "
-                                      f"no path separator, control character or leading dot); "
-                                      f"choose another manifest name")
+            refused = _constants_refused(path, npz)
+            if refused:
+                raise InvalidArgument(f"save({str(path)!r}): its constants file would be "
+                                      f"{npz.name!r}, {refused}; choose another manifest name")
             doc["constants"] = npz.name
             np.savez(npz, **{k: _npz_safe(v) for k, v in self.constants.items()})
         path.write_text(json.dumps(doc, indent=1) + "\n")
@@ -452,15 +455,40 @@ def _constants_path(manifest: Path) -> Path:
     return manifest.with_name(manifest.name + ".npz")
 
 
+def _constants_refused(manifest: Path, npz: Path) -> str | None:
+    """Why ``save(manifest)`` must not write its constants to ``npz``, or None: a name
+    ``load()`` would refuse, a file there that is not a constants archive (another program's
+    manifest, say), or the one other manifest name that maps to the same file (``model`` and
+    ``model.json`` both to ``model.npz``) holding a manifest that reads it."""
+    if not _plain_file_name(npz.name):
+        return ("which load() refuses (at most 255 bytes, no path separator, control "
+                "character or leading dot)")
+    if npz.is_dir() or (npz.exists() and not zipfile.is_zipfile(npz)):
+        return "and a file there is not a constants archive"
+    other = manifest.with_name(manifest.stem) if manifest.suffix == ".json" else \
+        manifest.with_name(manifest.name + ".json")
+    if other != manifest and _constants_path(other) == npz and other.is_file():
+        try:
+            with other.open("rb") as f:
+                named = json.loads(f.read(MAX_MANIFEST_BYTES)).get("constants")
+        except (OSError, ValueError, AttributeError):  # not a manifest
+            named = None
+        if named == npz.name:
+            return f"which the manifest {other.name!r} beside it reads"
+    return None
+
+
 def _plain_file_name(name: str) -> bool:
     """A file name beside the manifest: not empty, at most 255 bytes of UTF-8, no path
-    separator, NUL or other control character, no leading dot (nothing hidden, no ``..``)."""
+    separator, no control character (NUL, newline, ...), no leading dot (nothing hidden, no
+    ``..``)."""
     try:
         size = len(name.encode("utf-8"))
     except UnicodeEncodeError:  # a lone surrogate
         return False
     return (0 < size <= 255 and not name.startswith(".") and "/" not in name
-            and "\\" not in name and name.isprintable())
+            and "\\" not in name
+            and not any(unicodedata.category(c) == "Cc" for c in name))
 
 
 def _read_npz(folder: Path, name: str, headers_only: bool = False) -> dict[str, np.ndarray]:

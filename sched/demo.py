@@ -25,6 +25,7 @@ import anyio
 import numpy as np
 
 from streamlane.runtime import Device, Method, Program
+from streamlane.runtime.errors import InvalidArgument
 from streamlane.runtime.examples import build_decoder, build_encoder, load
 from streamlane.runtime.reference import run_reference
 
@@ -162,6 +163,7 @@ async def _run(config: str, device: Device, p: _Programs, xs: list[np.ndarray],
                         (lambda: timeline.to_chrome_trace(trace), trace)):
         try:  # a file that cannot be written (a full disk, a path taken meanwhile) is reported,
             result.files.append(write())  # not fatal: the run's figures are still good
-        except OSError as exc:
-            result.file_errors.append(f"cannot write {path}: {exc.strerror or exc}")
+        except (OSError, InvalidArgument) as exc:  # InvalidArgument: the path is a folder now
+            text = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            result.file_errors.append(f"cannot write {path}: {text}")
     return result

@@ -138,7 +138,7 @@ def _busy_key(job: Job) -> Any:
         value = proto() if callable(proto) else proto
         return int(value[1])
     except Exception:
-        return stream
+        return ("object", id(stream))  # hashable whatever the object (a key of a dict)
 
 
 def _closed_stream_given(stream: Stream) -> ClosedStreamGiven:
@@ -444,8 +444,8 @@ class Scheduler:
             raise InvalidArgument(f"submit({method.name}): inputs must be a list, got "
                                   f"{type(inputs).__name__}")
         # A Result passes as it is (the common case, checked without a call).
-        values = [v if type(v) is Result else self._check_input(method, i, v)
-                  for i, v in enumerate(inputs)]
+        values = [v if type(v) is Result and not v.view_only else
+                  self._check_input(method, i, v) for i, v in enumerate(inputs)]
         after_jobs = check_jobs(after, self.device)
         if stream is not None and (stream is not self._checked_stream() or stream.closed):
             self._check_stream(stream)
@@ -656,6 +656,12 @@ class Scheduler:
         return min(self.lanes, key=lambda ln: (ln.outstanding, ln.methods_bound, ln.index))
 
     def _check_input(self, method: Method, index: int, value: Any) -> Any:
+        if isinstance(value, Result) and value.view_only:
+            raise NotSupported(
+                f"input {index} of {method.name}: a view (an output of a method made with "
+                f"clone_outputs=False), which that method's next execute overwrites; the lane "
+                f"reads it only when it runs the job. Pass a copy "
+                f"(Result.from_host(r.to_host(), device)) or use clone_outputs=True")
         if isinstance(value, JobOutput):
             if value.job.method.device is not self.device:
                 raise InvalidArgument(f"input {index} of {method.name}: {value!r} lives on "

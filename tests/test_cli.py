@@ -117,6 +117,24 @@ def test_an_output_file_that_cannot_be_written_is_one_line_after_the_table(tmp_p
     assert (tmp_path / "trace-one-lane.json").exists()
 
 
+def test_a_file_path_taken_by_a_folder_during_the_run_is_reported_not_raised(tmp_path):
+    """run_demo writes each configuration's files as it ends; a path taken meanwhile (here a
+    folder, which the CLI's --out check would have refused had it been there before) is a
+    line in that configuration's ``file_errors``, and the other configurations still run."""
+    import anyio
+
+    from streamlane.runtime import get_device
+    from streamlane.sched.demo import run_demo
+
+    (tmp_path / "trace-two-lanes.json").mkdir()
+    results = anyio.run(run_demo, get_device("host"), 2, tmp_path)
+    assert [r.config for r in results] == ["one lane", "two lanes", "caller streams"]
+    assert [len(r.files) for r in results] == [2, 1, 2]
+    assert results[1].file_errors and "trace-two-lanes.json" in results[1].file_errors[0]
+    assert not results[0].file_errors and not results[2].file_errors
+    assert all(r.correct == r.checked == 4 for r in results)
+
+
 def test_forcing_cuda_without_a_gpu_names_the_command_line_way_out():
     from streamlane.runtime import cuda
 

@@ -73,10 +73,29 @@ def test_manifests_differing_after_their_last_dot_keep_their_own_constants(tmp_p
 
 
 @pytest.mark.parametrize("name", ["2024-enc.json", "my model.json", "enc+v2.json",
-                                  "modèle.json", "enc(1).json", "x" * 200 + ".json"])
+                                  "modèle.json", "enc(1).json", "x" * 200 + ".json",
+                                  "nb\u00a0sp.json", "fam\u200d.json", "a.b.c.json",
+                                  "enc.JSON"])
 def test_what_save_writes_load_reads(tmp_path, name):
     small(3.0).save(tmp_path / name)
     assert Program.load(tmp_path / name) == small(3.0)
+
+
+def test_save_never_lets_two_manifests_share_or_overwrite_a_file(tmp_path):
+    small(1.0).save(tmp_path / "model")  # model.npz
+    with pytest.raises(InvalidArgument, match="the manifest 'model' beside it reads"):
+        small(2.0).save(tmp_path / "model.json")  # model.npz too
+    assert Program.load(tmp_path / "model") == small(1.0)
+    small(1.0).save(tmp_path / "m.npz")  # a manifest named m.npz (constants m.npz.npz)
+    with pytest.raises(InvalidArgument, match="not a constants archive"):
+        small(2.0).save(tmp_path / "m.json")  # would overwrite that manifest
+    assert Program.load(tmp_path / "m.npz") == small(1.0)
+    (tmp_path / "adir").mkdir()
+    with pytest.raises(InvalidArgument, match="folder"):
+        small(1.0).save(tmp_path / "adir")
+    assert not (tmp_path / "adir.npz").exists()
+    small(3.0).save(tmp_path / "model")  # saving a manifest again over itself is fine
+    assert Program.load(tmp_path / "model") == small(3.0)
 
 
 def test_save_refuses_a_name_whose_constants_file_load_would_refuse(tmp_path):
@@ -228,6 +247,14 @@ def test_examples_path_refuses_an_unknown_name():
         path(["encoder"])  # type: ignore[arg-type]
 
 
+def broken_as_the_scheduler_makes_it():
+    from streamlane.sched.errors import SchedulerBroken
+
+    error = SchedulerBroken("the scheduler is broken: a fault")
+    error.code = "HOST_DEVICE_FAULT"  # set after, as Scheduler.break_ does: not in the text
+    return error
+
+
 def test_errors_survive_pickle_and_copy_with_their_fields():
     import pickle
 
@@ -241,10 +268,12 @@ def test_errors_survive_pickle_and_copy_with_their_fields():
              (DeviceError("boom", "CUDA_ERROR_ILLEGAL_ADDRESS"), ("code",)),
              (KernelCompileError("relu", "NVRTC_ERROR_COMPILATION", "log"),
               ("kernel", "code", "log")),
-             (SchedulerBroken("lost", "CUDA_ERROR_LAUNCH_FAILED"), ("code",))]
+             (SchedulerBroken("lost", "CUDA_ERROR_LAUNCH_FAILED"), ("code",)),
+             (broken_as_the_scheduler_makes_it(), ("code",))]
     for error, fields in cases:
         for twin in (pickle.loads(pickle.dumps(error)), copy.copy(error)):
             assert type(twin) is type(error) and str(twin) == str(error)
+            assert twin.args == error.args
             for name in fields:
                 assert getattr(twin, name) == getattr(error, name), name
     # what a process pool does with an untrusted manifest's error

@@ -879,6 +879,10 @@ async def test_a_method_whose_outputs_are_views_is_refused(device):
             with pytest.raises(NotSupported, match="clone_outputs=False"):
                 await sched.run(views, [data(0)])
             assert sched.pending == 0 and sched.statistics()[0].queued == 0
+            (view,) = views([data(1)])  # called directly: a view as another job's input
+            with pytest.raises(NotSupported, match="a view"):
+                await sched.submit(double_program("reader").method("forward", device=device),
+                                   [view])
             (y,) = await sched.run(double_program("copies").method("forward", device=device),
                                    [data(0)])
     np.testing.assert_allclose(y.to_host(), 2 * data(0), rtol=1e-6)

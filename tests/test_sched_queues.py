@@ -9,10 +9,12 @@ from __future__ import annotations
 import warnings
 
 import anyio
+import numpy as np
 import pytest
 from sched_helpers import BACKENDS, data, double_program, spin_program
 
 from streamlane.runtime import get_device
+from streamlane.runtime.errors import InvalidArgument
 from streamlane.sched import Scheduler, TimingStallWarning
 
 SPIN_US = 30_000  # long enough that every job of a burst is still pending at its last submit
@@ -129,6 +131,31 @@ async def test_one_stream_through_many_wrapper_objects_counts_once(device, monke
             assert len(sched.timeline().tracks()) == 1
     assert not _stalls(caught), [str(w.message) for w in caught]
     stream.close()
+
+
+@pytest.mark.anyio
+async def test_an_unhashable_bad_stream_fails_its_job_and_leaks_no_room(device, monkeypatch):
+    """A stream= object whose __cuda_stream__ is broken fails its job on the lane with
+    InvalidArgument; counting it as a busy stream must not raise (it is unhashable) nor keep
+    its room on the lane."""
+    monkeypatch.setattr(device, "hardware_queues", 8)
+
+    class Broken:
+        __hash__ = None  # type: ignore[assignment]
+
+        def __cuda_stream__(self):
+            return (0, None)
+
+    method = double_program("broken").method("forward", device=device)
+    with anyio.fail_after(30):
+        async with Scheduler(device, lanes=1, queue_size=2) as sched:
+            for i in range(4):  # more than the lane's room
+                job = await sched.submit(method, [data(i)], stream=Broken())
+                with pytest.raises(InvalidArgument, match="__cuda_stream__"):
+                    await job
+            (y,) = await sched.run(method, [data(9)])
+            assert sched.lanes[0].outstanding == 0
+    np.testing.assert_allclose(y.to_host(), 2 * data(9), rtol=1e-6)
 
 
 @pytest.mark.anyio

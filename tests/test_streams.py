@@ -548,6 +548,10 @@ def test_device_calls_refuse_arguments_of_the_wrong_kind(device):
                  lambda: device.enqueue_callable(None, lambda *x: None, [a], [o])):
         with pytest.raises(InvalidArgument):
             call()
+    from collections import deque
+
+    device.launch("relu", s, deque([a]), (o,))  # any sequence, as before
+    device.prepare("add", np.array([[2], [2]]), [(2,)])
     device.launch("relu", s, [a], [o])  # and the device is fine
     np.testing.assert_array_equal(device.to_host(o, s), np.ones(2, np.float32))
 
