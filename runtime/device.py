@@ -58,7 +58,7 @@ class PreparedLaunch:
         and outputs that overlap no other argument (``KernelSpec.in_place`` allows an output
         to be exactly an input)."""
         impl = self.device._stream_impl(stream, f"run({self.spec.name})")
-        _check_arrays(self.device, self.spec.name, ins, outs)
+        ins, outs = _check_arrays(self.device, self.spec.name, ins, outs)
         _check_memory(self.spec, ins, outs)
         self.device._launch(self, impl, ins, outs)
 
@@ -249,8 +249,9 @@ class Device(ABC):
         """Validate a launch once; raises ``InvalidArgument`` saying what is wrong."""
         _check_params(params, kernel)
         for what, shapes in (("in_shapes", in_shapes), ("out_shapes", out_shapes)):
-            if (not isinstance(shapes, (Sequence, np.ndarray)) or isinstance(shapes, (str, bytes))
-                    ) and not (shapes is None and what == "out_shapes"):
+            listed = (isinstance(shapes, Sequence) and not isinstance(shapes, (str, bytes))) \
+                or (isinstance(shapes, np.ndarray) and shapes.ndim > 0)
+            if not listed and not (shapes is None and what == "out_shapes"):
                 raise InvalidArgument(f"prepare({kernel!r}): {what} must be a list of shapes, "
                                       f"got {type(shapes).__name__}")
         try:
@@ -282,7 +283,7 @@ class Device(ABC):
                outs: Sequence[DeviceArray], params: Mapping[str, Any] | None = None) -> None:
         """Check and enqueue one kernel launch on ``stream``."""
         impl = self._stream_impl(stream, f"launch({kernel!r})")
-        _check_arrays(self, kernel, ins, outs)
+        ins, outs = _check_arrays(self, kernel, ins, outs)
         _check_params(params, kernel)
         dtypes = {a.dtype.name for a in (*ins, *outs)}
         if len(dtypes) > 1:
@@ -484,15 +485,18 @@ def _check_dtype(dtype: Any) -> np.dtype:
     return dt
 
 
-def _check_arrays(device: Device, kernel: str, ins: Any, outs: Any) -> None:
+def _check_arrays(device: Device, kernel: str, ins: Any, outs: Any
+                  ) -> tuple[tuple[DeviceArray, ...], tuple[DeviceArray, ...]]:
     """A launch's ``ins`` and ``outs``: sequences (lists, tuples, ...) of DeviceArrays of
-    ``device``."""
+    ``device``; returned as tuples."""
     for what, arrays in (("ins", ins), ("outs", outs)):
         if not isinstance(arrays, Sequence) or isinstance(arrays, (str, bytes)):
             raise InvalidArgument(f"{kernel}: {what} must be a list of DeviceArrays, got "
                                   f"{type(arrays).__name__}")
+    ins, outs = tuple(ins), tuple(outs)
     for i, a in enumerate((*ins, *outs)):
         device._check_array(a, f"argument {i} of {kernel}")
+    return ins, outs
 
 
 def _check_params(params: Any, kernel: str) -> None:

@@ -180,13 +180,17 @@ class Program:
         if path.is_dir():
             raise InvalidArgument(f"save({str(path)!r}): that is a folder; name the manifest "
                                   f"file in it")
+        if path.is_file() and zipfile.is_zipfile(path):
+            raise InvalidArgument(f"save({str(path)!r}): that file is a zip archive (another "
+                                  f"program's constants, say), which a manifest would "
+                                  f"overwrite; choose another manifest name")
         doc = self.to_manifest()
         if self.constants:
             npz = _constants_path(path)
             refused = _constants_refused(path, npz)
             if refused:
                 raise InvalidArgument(f"save({str(path)!r}): its constants file would be "
-                                      f"{npz.name!r}, {refused}; choose another manifest name")
+                                      f"{npz.name!r}, {refused}")
             doc["constants"] = npz.name
             np.savez(npz, **{k: _npz_safe(v) for k, v in self.constants.items()})
         path.write_text(json.dumps(doc, indent=1) + "\n")
@@ -457,25 +461,28 @@ def _constants_path(manifest: Path) -> Path:
 
 def _constants_refused(manifest: Path, npz: Path) -> str | None:
     """Why ``save(manifest)`` must not write its constants to ``npz``, or None: a name
-    ``load()`` would refuse, a file there that is not a constants archive (another program's
-    manifest, say), or the one other manifest name that maps to the same file (``model`` and
-    ``model.json`` both to ``model.npz``) holding a manifest that reads it."""
+    ``load()`` would refuse, or a file there that the manifest now at ``manifest`` does not
+    read (another program's constants, a left-over, anything else): a save overwrites only
+    its own earlier constants."""
     if not _plain_file_name(npz.name):
         return ("which load() refuses (at most 255 bytes, no path separator, control "
-                "character or leading dot)")
-    if npz.is_dir() or (npz.exists() and not zipfile.is_zipfile(npz)):
-        return "and a file there is not a constants archive"
-    other = manifest.with_name(manifest.stem) if manifest.suffix == ".json" else \
-        manifest.with_name(manifest.name + ".json")
-    if other != manifest and _constants_path(other) == npz and other.is_file():
-        try:
-            with other.open("rb") as f:
-                named = json.loads(f.read(MAX_MANIFEST_BYTES)).get("constants")
-        except (OSError, ValueError, AttributeError):  # not a manifest
-            named = None
-        if named == npz.name:
-            return f"which the manifest {other.name!r} beside it reads"
+                "character or leading dot); choose another manifest name")
+    if npz.is_dir():
+        return "and that is a folder; choose another manifest name"
+    if npz.exists() and _constants_named(manifest) != npz.name:
+        return ("and a file of that name exists that no manifest at this path reads (another "
+                "program's constants, say); remove it or choose another manifest name")
     return None
+
+
+def _constants_named(manifest: Path) -> Any:
+    """The ``constants`` field of the manifest at ``manifest``, or None (no such file, or not
+    a manifest: whatever reading it raises)."""
+    try:
+        with manifest.open("rb") as f:
+            return json.loads(f.read(MAX_MANIFEST_BYTES)).get("constants")
+    except Exception:  # OSError, a JSON error, RecursionError, a list instead of an object...
+        return None
 
 
 def _plain_file_name(name: str) -> bool:

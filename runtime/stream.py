@@ -223,8 +223,13 @@ class CallerStream:
     __slots__ = ("stream",)
 
     def __init__(self, stream: Any):
-        if stream is not None and not isinstance(stream, Stream) and not hasattr(
-                stream, "__cuda_stream__"):
+        try:  # hasattr runs a property, which may raise anything
+            usable = stream is None or isinstance(stream, Stream) or hasattr(
+                stream, "__cuda_stream__")
+        except Exception as exc:
+            raise InvalidArgument(f"CallerStream: reading {type(stream).__name__}."
+                                  f"__cuda_stream__ raised {exc!r}") from None
+        if not usable:
             raise InvalidArgument(
                 f"CallerStream expects a streamlane Stream, an object with __cuda_stream__, or "
                 f"None (legacy default stream); got {type(stream).__name__}")

@@ -81,21 +81,40 @@ def test_what_save_writes_load_reads(tmp_path, name):
     assert Program.load(tmp_path / name) == small(3.0)
 
 
-def test_save_never_lets_two_manifests_share_or_overwrite_a_file(tmp_path):
+def test_save_overwrites_only_its_own_earlier_files(tmp_path):
+    """A save writes its constants over a file only if the manifest at its path reads it,
+    and never writes a manifest over a zip archive: no program's files are lost to another's."""
     small(1.0).save(tmp_path / "model")  # model.npz
-    with pytest.raises(InvalidArgument, match="the manifest 'model' beside it reads"):
+    with pytest.raises(InvalidArgument, match="no manifest at this path reads"):
         small(2.0).save(tmp_path / "model.json")  # model.npz too
+    with pytest.raises(InvalidArgument, match="zip archive"):
+        small(2.0).save(tmp_path / "model.npz")  # a manifest over model's constants
     assert Program.load(tmp_path / "model") == small(1.0)
-    small(1.0).save(tmp_path / "m.npz")  # a manifest named m.npz (constants m.npz.npz)
-    with pytest.raises(InvalidArgument, match="not a constants archive"):
-        small(2.0).save(tmp_path / "m.json")  # would overwrite that manifest
-    assert Program.load(tmp_path / "m.npz") == small(1.0)
+    small(3.0).save(tmp_path / "model")  # saving over its own earlier files is fine
+    assert Program.load(tmp_path / "model") == small(3.0)
+
+    # A manifest written by hand (or by an older save) that reads a file of another name
+    doc = small(1.0).to_manifest()
+    np.savez(tmp_path / "shared.npz", w=np.full((2, 2), 1.0, np.float32))
+    doc["constants"] = "shared.npz"
+    (tmp_path / "by-hand.json").write_text(json.dumps(doc))
+    with pytest.raises(InvalidArgument, match="remove it or choose another manifest name"):
+        small(2.0).save(tmp_path / "shared.json")
+    assert Program.load(tmp_path / "by-hand.json").constants["w"][0, 0] == 1.0
+
+    # Not a manifest's: a foreign zip, a file of text, a folder
+    (tmp_path / "notes.npz").write_bytes(b"not a zip")
+    with pytest.raises(InvalidArgument, match="no manifest at this path reads"):
+        small(1.0).save(tmp_path / "notes.json")
     (tmp_path / "adir").mkdir()
     with pytest.raises(InvalidArgument, match="folder"):
         small(1.0).save(tmp_path / "adir")
     assert not (tmp_path / "adir.npz").exists()
-    small(3.0).save(tmp_path / "model")  # saving a manifest again over itself is fine
-    assert Program.load(tmp_path / "model") == small(3.0)
+
+    # A neighbour that is not a manifest at all does not get in the way
+    (tmp_path / "deep").write_text("[" * 100_000)
+    small(1.0).save(tmp_path / "deep.json")
+    assert Program.load(tmp_path / "deep.json") == small(1.0)
 
 
 def test_save_refuses_a_name_whose_constants_file_load_would_refuse(tmp_path):

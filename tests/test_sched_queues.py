@@ -153,6 +153,14 @@ async def test_an_unhashable_bad_stream_fails_its_job_and_leaks_no_room(device, 
                 job = await sched.submit(method, [data(i)], stream=Broken())
                 with pytest.raises(InvalidArgument, match="__cuda_stream__"):
                     await job
+
+            class Raising:  # its __cuda_stream__ is a property that fails
+                @property
+                def __cuda_stream__(self):
+                    raise ZeroDivisionError
+
+            with pytest.raises(InvalidArgument, match="ZeroDivisionError"):
+                await sched.submit(method, [data(0)], stream=Raising())
             (y,) = await sched.run(method, [data(9)])
             assert sched.lanes[0].outstanding == 0
     np.testing.assert_allclose(y.to_host(), 2 * data(9), rtol=1e-6)

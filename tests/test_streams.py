@@ -550,8 +550,12 @@ def test_device_calls_refuse_arguments_of_the_wrong_kind(device):
             call()
     from collections import deque
 
-    device.launch("relu", s, deque([a]), (o,))  # any sequence, as before
+    device.launch("relu", s, deque([a]), deque([o]))  # any sequence, as before
+    prepared.run(s, deque([a]), deque([o]))
     device.prepare("add", np.array([[2], [2]]), [(2,)])
+    for shapes in (np.array(2), "22", None):
+        with pytest.raises(InvalidArgument, match="in_shapes must be a list of shapes"):
+            device.prepare("relu", shapes)
     device.launch("relu", s, [a], [o])  # and the device is fine
     np.testing.assert_array_equal(device.to_host(o, s), np.ones(2, np.float32))
 
