@@ -34,7 +34,7 @@ import numpy as np
 
 from streamlane.kernels import KernelSpec
 
-from .device import Device, PreparedLaunch
+from .device import Device, PreparedLaunch, arity_error
 from .errors import DeviceError, InvalidArgument, KernelCompileError
 from .event import Event
 from .memory import DeviceArray
@@ -683,7 +683,7 @@ class CudaDevice(Device):
         fn, gx, gy, gz, bx, by, bz, shared, scalars, types = plan
         values = tuple([a.ptr for a in (*ins, *outs)]) + scalars
         if len(values) != len(types):
-            raise _arity_error(prepared, ins, outs)
+            raise arity_error(prepared, ins, outs)
         check(self._cu_launch(fn, gx, gy, gz, bx, by, bz, shared, stream_impl,
                               (values, types), 0))
 
@@ -727,7 +727,7 @@ class _BoundLaunch:
         if _bound.context is not device._context:
             device._make_current()
         if len(ins) + len(outs) != self._n_ptrs:
-            raise _arity_error(self._prepared, ins, outs)
+            raise arity_error(self._prepared, ins, outs)
         args = self._args
         i = 0
         for a in ins:
@@ -744,13 +744,6 @@ class _BoundLaunch:
                 raise _fail(rc)
             return
         check(device._cu_launch(fn, gx, gy, gz, bx, by, bz, shared, impl, self._addr, 0))
-
-
-def _arity_error(prepared: PreparedLaunch, ins: Sequence[DeviceArray],
-                 outs: Sequence[DeviceArray]) -> InvalidArgument:
-    spec = prepared.spec
-    return InvalidArgument(f"kernel {spec.name!r} takes {spec.n_in} inputs and {spec.n_out} "
-                           f"outputs, got {len(ins)} and {len(outs)}")
 
 
 DEVICE_CLASS = CudaDevice

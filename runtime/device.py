@@ -51,6 +51,8 @@ class PreparedLaunch:
     config: LaunchConfig
     params: Mapping[str, Any]
     function: Any  # the backend's loaded kernel
+    in_shapes: tuple[tuple[int, ...], ...] = ()  # what it was prepared for (run() checks)
+    out_shapes: tuple[tuple[int, ...], ...] = ()
 
     def run(self, stream: Stream, ins: Sequence[DeviceArray], outs: Sequence[DeviceArray]) -> None:
         """Enqueue the launch on ``stream``, after checking what the kernel will read: arrays
@@ -59,6 +61,15 @@ class PreparedLaunch:
         to be exactly an input)."""
         impl = self.device._stream_impl(stream, f"run({self.spec.name})")
         ins, outs = _check_arrays(self.device, self.spec.name, ins, outs)
+        if len(ins) != len(self.in_shapes) or len(outs) != len(self.out_shapes):
+            raise arity_error(self, ins, outs)
+        shapes = ([a.shape for a in ins], [a.shape for a in outs])
+        if shapes != ([*self.in_shapes], [*self.out_shapes]):  # its grid covers those
+            raise InvalidArgument(
+                f"run({self.spec.name}): prepared for inputs {[list(s) for s in self.in_shapes]}"
+                f" and outputs {[list(s) for s in self.out_shapes]}, got "
+                f"{[list(s) for s in shapes[0]]} and {[list(s) for s in shapes[1]]}; prepare() "
+                f"a launch for these (device.launch() does it for you)")
         _check_memory(self.spec, ins, outs)
         self.device._launch(self, impl, ins, outs)
 
@@ -110,7 +121,11 @@ class Device(ABC):
             if obj.device is not self:
                 raise InvalidArgument(f"{obj!r} belongs to {obj.device.name}, not {self.name}")
             return obj
-        proto = getattr(obj, "__cuda_stream__", None)
+        try:  # a property may raise anything
+            proto = getattr(obj, "__cuda_stream__", None)
+        except Exception as exc:
+            raise InvalidArgument(f"reading {type(obj).__name__}.__cuda_stream__ raised "
+                                  f"{exc!r}") from None
         if proto is None:
             raise InvalidArgument(f"{type(obj).__name__} has no __cuda_stream__; pass a Stream or "
                                   f"an object implementing the CUDA stream protocol")
@@ -248,6 +263,9 @@ class Device(ABC):
                 extra: Mapping[str, Any] | None = None) -> PreparedLaunch:
         """Validate a launch once; raises ``InvalidArgument`` saying what is wrong."""
         _check_params(params, kernel)
+        if extra is not None and not isinstance(extra, Mapping):
+            raise InvalidArgument(f"prepare({kernel!r}): extra must be a mapping of name to "
+                                  f"value (or None), got {type(extra).__name__}")
         for what, shapes in (("in_shapes", in_shapes), ("out_shapes", out_shapes)):
             listed = (isinstance(shapes, Sequence) and not isinstance(shapes, (str, bytes))) \
                 or (isinstance(shapes, np.ndarray) and shapes.ndim > 0)
@@ -277,7 +295,8 @@ class Device(ABC):
         except KernelSpecError as exc:
             raise InvalidArgument(f"kernel {kernel!r}: {exc}") from None
         return PreparedLaunch(self, spec, config, resolved,
-                              self._function(spec, config.entry or spec.entry))
+                              self._function(spec, config.entry or spec.entry),
+                              tuple(tuple(s) for s in ins), tuple(tuple(s) for s in outs))
 
     def launch(self, kernel: str, stream: Stream, ins: Sequence[DeviceArray],
                outs: Sequence[DeviceArray], params: Mapping[str, Any] | None = None) -> None:
@@ -411,8 +430,11 @@ class Device(ABC):
     def _bind(self, prepared: PreparedLaunch) -> Callable[
             [Stream, Sequence[DeviceArray], Sequence[DeviceArray]], None]:
         launch = self._launch
+        n_in, n_out = prepared.spec.n_in, prepared.spec.n_out
 
         def bound(stream: Stream, ins: Sequence[DeviceArray], outs: Sequence[DeviceArray]) -> None:
+            if len(ins) != n_in or len(outs) != n_out:  # a kernel would index past its arrays
+                raise arity_error(prepared, ins, outs)
             launch(prepared, stream._usable(), ins, outs)
 
         return bound
@@ -483,6 +505,13 @@ def _check_dtype(dtype: Any) -> np.dtype:
         raise InvalidArgument(f"dtype {dt} holds Python objects, which device memory cannot; "
                               f"convert the array to a numeric dtype first")
     return dt
+
+
+def arity_error(prepared: PreparedLaunch, ins: Sequence[DeviceArray],
+                outs: Sequence[DeviceArray]) -> InvalidArgument:
+    spec = prepared.spec
+    return InvalidArgument(f"kernel {spec.name!r} takes {spec.n_in} inputs and {spec.n_out} "
+                           f"outputs, got {len(ins)} and {len(outs)}")
 
 
 def _check_arrays(device: Device, kernel: str, ins: Any, outs: Any

@@ -10,6 +10,7 @@ import math
 import os
 import re
 import unicodedata
+import uuid
 import zipfile
 import zlib
 from collections.abc import Callable, Mapping, Sequence
@@ -168,32 +169,38 @@ class Program:
     def save(self, path: str | Path) -> None:
         """Write the manifest to ``path`` and the constants beside it: ``encoder.json`` →
         ``encoder.npz``; a name not ending in ``.json`` gets ``.npz`` appended (``model.v1`` →
-        ``model.v1.npz``). The manifest records the constants file's name."""
-        if not isinstance(path, (str, os.PathLike)):
-            raise InvalidArgument(f"Program.save takes a path (str or os.PathLike), got "
-                                  f"{type(path).__name__}")
+        ``model.v1.npz``). The manifest records the constants file's name.
+
+        Nothing on disk is lost to a save: the constants replace a file of that name only if
+        the manifest now at ``path`` reads it (its own earlier save); any other file there
+        (another program's constants, a left-over) is kept, and the constants take the first
+        free name ``encoder-1.npz``, ``encoder-2.npz``, ... Both files are written to
+        temporary names and renamed into place, the manifest last, so a save that fails
+        leaves the program that was there intact. A symlinked manifest path saves to its
+        target, beside it."""
+        path = _save_path(path)
         if self.callables:
             raise NotSupported(f"program {self.name!r} has callable steps "
                                f"({', '.join(self.callables)}), which are Python code; format 1 "
                                f"stores kernel steps only. Keep callable programs in Python")
-        path = Path(path)
-        if path.is_dir():
-            raise InvalidArgument(f"save({str(path)!r}): that is a folder; name the manifest "
-                                  f"file in it")
-        if path.is_file() and zipfile.is_zipfile(path):
-            raise InvalidArgument(f"save({str(path)!r}): that file is a zip archive (another "
-                                  f"program's constants, say), which a manifest would "
-                                  f"overwrite; choose another manifest name")
         doc = self.to_manifest()
+        npz = None
         if self.constants:
-            npz = _constants_path(path)
-            refused = _constants_refused(path, npz)
-            if refused:
-                raise InvalidArgument(f"save({str(path)!r}): its constants file would be "
-                                      f"{npz.name!r}, {refused}")
+            npz = _free_constants_path(path)
             doc["constants"] = npz.name
-            np.savez(npz, **{k: _npz_safe(v) for k, v in self.constants.items()})
-        path.write_text(json.dumps(doc, indent=1) + "\n")
+        written: list[Path] = []
+        try:
+            if npz is not None:
+                with _new_file(path.parent, written) as f:
+                    np.savez(f, **{k: _npz_safe(v) for k, v in self.constants.items()})
+            with _new_file(path.parent, written) as f:
+                f.write((json.dumps(doc, indent=1) + "\n").encode("utf-8"))
+            if npz is not None:
+                os.replace(written[0], npz)
+            os.replace(written[-1], path)  # last: until here the old program is whole
+        finally:
+            for temp in written:
+                temp.unlink(missing_ok=True)  # gone once renamed
 
     # -- binding --------------------------------------------------------------------------
     def method(self, name: str, device: Device | str | None = None, **options: Any) -> Method:
@@ -459,20 +466,65 @@ def _constants_path(manifest: Path) -> Path:
     return manifest.with_name(manifest.name + ".npz")
 
 
-def _constants_refused(manifest: Path, npz: Path) -> str | None:
-    """Why ``save(manifest)`` must not write its constants to ``npz``, or None: a name
-    ``load()`` would refuse, or a file there that the manifest now at ``manifest`` does not
-    read (another program's constants, a left-over, anything else): a save overwrites only
-    its own earlier constants."""
-    if not _plain_file_name(npz.name):
-        return ("which load() refuses (at most 255 bytes, no path separator, control "
-                "character or leading dot); choose another manifest name")
-    if npz.is_dir():
-        return "and that is a folder; choose another manifest name"
-    if npz.exists() and _constants_named(manifest) != npz.name:
-        return ("and a file of that name exists that no manifest at this path reads (another "
-                "program's constants, say); remove it or choose another manifest name")
-    return None
+def _save_path(path: Any) -> Path:
+    """``save``'s manifest path, checked before anything is written (a symlink: its target)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise InvalidArgument(f"Program.save takes a path (str or os.PathLike), got "
+                              f"{type(path).__name__}")
+    text = os.fspath(path)
+    if not isinstance(text, str):
+        raise InvalidArgument(f"Program.save takes a str path, got {type(text).__name__}")
+    if "\0" in text:
+        raise InvalidArgument(f"save({text!r}): a path cannot hold a NUL character")
+    target = Path(text)
+    try:
+        if target.is_symlink():
+            target = target.resolve()
+        folder_ok = target.parent.is_dir()
+        is_dir = target.is_dir()
+    except (OSError, RuntimeError) as exc:  # a symlink loop, a name too long for the system
+        raise InvalidArgument(f"save({text!r}): {exc}") from None
+    if is_dir:
+        raise InvalidArgument(f"save({text!r}): that is a folder; name the manifest file in it")
+    if not folder_ok:
+        raise InvalidArgument(f"save({text!r}): the folder {str(target.parent)!r} does not "
+                              f"exist; create it first")
+    if not _plain_file_name(target.name):
+        raise InvalidArgument(f"save({text!r}): {target.name!r} is not a plain file name "
+                              f"(at most 255 bytes, no control character or leading dot)")
+    if target.is_file() and zipfile.is_zipfile(target):
+        raise InvalidArgument(f"save({text!r}): that file is a zip archive (another program's "
+                              f"constants, say), which a manifest would overwrite; choose "
+                              f"another manifest name")
+    return target
+
+
+def _new_file(folder: Path, written: list[Path]) -> Any:
+    """A new file of a unique hidden name in ``folder``, open for binary writing, its path
+    appended to ``written`` first (the caller removes what it does not rename). Created with
+    mode 0o666 less the umask, as a plain ``open()`` would make it."""
+    temp = folder / f".streamlane-save-{uuid.uuid4().hex}.tmp"
+    written.append(temp)
+    return os.fdopen(os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb")
+
+
+def _free_constants_path(manifest: Path) -> Path:
+    """Where ``save(manifest)`` writes its constants: ``_constants_path``, unless a file there
+    is not the one the manifest now at ``manifest`` reads; then the first free
+    ``<stem>-<n>.npz``. A save never replaces a file that may be another program's."""
+    first = _constants_path(manifest)
+    for n in range(10_000):
+        npz = first if n == 0 else first.with_name(f"{first.stem}-{n}.npz")
+        if not _plain_file_name(npz.name):
+            raise InvalidArgument(f"save({str(manifest)!r}): its constants file would be "
+                                  f"{npz.name!r}, which load() refuses (at most 255 bytes, no "
+                                  f"path separator, control character or leading dot); choose "
+                                  f"a shorter manifest name")
+        if not os.path.lexists(npz) or (npz.is_file() and not npz.is_symlink()
+                                        and _constants_named(manifest) == npz.name):
+            return npz
+    raise InvalidArgument(f"save({str(manifest)!r}): no free constants file name beside it "
+                          f"({first.name} and 10,000 more are taken)")
 
 
 def _constants_named(manifest: Path) -> Any:

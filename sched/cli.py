@@ -78,7 +78,8 @@ def _missing_backend(backend: str) -> str | None:
     try:
         importlib.import_module(backend)
     except ImportError:
-        how = "pip install 'streamlane[trio]'" if backend == "trio" else \
+        how = "pip install trio (from a checkout: pip install '.[trio]')" \
+            if backend == "trio" else \
             "pip install uvloop (it does not support Windows)"
         return f"--backend {backend} needs the {backend} package: {how}, or use --backend asyncio"
     return None

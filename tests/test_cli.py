@@ -159,7 +159,7 @@ def test_a_backend_that_is_not_installed_is_a_usage_error(monkeypatch, capsys):
 
     monkeypatch.setattr(cli.importlib, "import_module", without_trio)
     assert cli.main(["demo", "--device", "host", "--backend", "trio"]) == 2
-    assert "pip install 'streamlane[trio]'" in capsys.readouterr().err
+    assert "pip install trio (from a checkout: pip install '.[trio]')" in capsys.readouterr().err
 
 
 def test_ctrl_c_ends_the_demo_with_one_line_and_status_130(tmp_path):

@@ -81,44 +81,94 @@ def test_what_save_writes_load_reads(tmp_path, name):
     assert Program.load(tmp_path / name) == small(3.0)
 
 
-def test_save_overwrites_only_its_own_earlier_files(tmp_path):
-    """A save writes its constants over a file only if the manifest at its path reads it,
-    and never writes a manifest over a zip archive: no program's files are lost to another's."""
+def loads_w(path) -> float:
+    return float(Program.load(path).constants["w"][0, 0])
+
+
+def test_save_never_replaces_a_file_that_is_not_its_own(tmp_path):
+    """The constants replace a file only if the manifest now at the path reads it; any other
+    file of that name is kept and the constants take the next free name. No program's files
+    are lost to another's save, and no legitimate save is refused."""
     small(1.0).save(tmp_path / "model")  # model.npz
-    with pytest.raises(InvalidArgument, match="no manifest at this path reads"):
-        small(2.0).save(tmp_path / "model.json")  # model.npz too
+    small(2.0).save(tmp_path / "model.json")  # model.npz is model's: model-1.npz
+    assert (loads_w(tmp_path / "model"), loads_w(tmp_path / "model.json")) == (1.0, 2.0)
+    assert json.loads((tmp_path / "model.json").read_text())["constants"] == "model-1.npz"
+    small(3.0).save(tmp_path / "model.json")  # its own file now: replaced, no third one
+    assert loads_w(tmp_path / "model.json") == 3.0 and loads_w(tmp_path / "model") == 1.0
+    assert not (tmp_path / "model-2.npz").exists()
     with pytest.raises(InvalidArgument, match="zip archive"):
         small(2.0).save(tmp_path / "model.npz")  # a manifest over model's constants
-    assert Program.load(tmp_path / "model") == small(1.0)
-    small(3.0).save(tmp_path / "model")  # saving over its own earlier files is fine
-    assert Program.load(tmp_path / "model") == small(3.0)
 
-    # A manifest written by hand (or by an older save) that reads a file of another name
+    # A manifest written by hand (or by an older save) reading a file of the default name
     doc = small(1.0).to_manifest()
     np.savez(tmp_path / "shared.npz", w=np.full((2, 2), 1.0, np.float32))
     doc["constants"] = "shared.npz"
     (tmp_path / "by-hand.json").write_text(json.dumps(doc))
-    with pytest.raises(InvalidArgument, match="remove it or choose another manifest name"):
-        small(2.0).save(tmp_path / "shared.json")
-    assert Program.load(tmp_path / "by-hand.json").constants["w"][0, 0] == 1.0
+    small(2.0).save(tmp_path / "shared.json")
+    assert (loads_w(tmp_path / "by-hand.json"), loads_w(tmp_path / "shared.json")) == (1.0, 2.0)
 
-    # Not a manifest's: a foreign zip, a file of text, a folder
+    # Constants, then none, then constants again at one path; a file that is no archive
+    small(1.0).save(tmp_path / "p.json")
+    b = Program.build("p")
+    m = b.method("f", x=("float32", [2, 2]))
+    m.output(m.step("relu", "x", out="y"))
+    b.finish().save(tmp_path / "p.json")
+    small(5.0).save(tmp_path / "p.json")
+    assert loads_w(tmp_path / "p.json") == 5.0
     (tmp_path / "notes.npz").write_bytes(b"not a zip")
-    with pytest.raises(InvalidArgument, match="no manifest at this path reads"):
-        small(1.0).save(tmp_path / "notes.json")
-    (tmp_path / "adir").mkdir()
-    with pytest.raises(InvalidArgument, match="folder"):
-        small(1.0).save(tmp_path / "adir")
-    assert not (tmp_path / "adir.npz").exists()
+    small(1.0).save(tmp_path / "notes.json")
+    assert (tmp_path / "notes.npz").read_bytes() == b"not a zip"
+    assert loads_w(tmp_path / "notes.json") == 1.0
 
     # A neighbour that is not a manifest at all does not get in the way
     (tmp_path / "deep").write_text("[" * 100_000)
     small(1.0).save(tmp_path / "deep.json")
-    assert Program.load(tmp_path / "deep.json") == small(1.0)
+    assert loads_w(tmp_path / "deep.json") == 1.0
+    assert not list(tmp_path.glob(".streamlane-save-*")), "a temporary file was left"
+
+
+def test_a_save_that_fails_leaves_the_program_there_intact(tmp_path, monkeypatch):
+    import streamlane.runtime.program as program_module
+
+    small(1.0).save(tmp_path / "p.json")
+    before = sorted((p.name, p.read_bytes()) for p in tmp_path.iterdir())
+
+    def full_disk(*args, **kw):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(program_module.json, "dumps", full_disk)  # the manifest's write
+    with pytest.raises(OSError, match="No space left"):
+        small(2.0).save(tmp_path / "p.json")
+    monkeypatch.undo()
+    assert sorted((p.name, p.read_bytes()) for p in tmp_path.iterdir()) == before
+    assert loads_w(tmp_path / "p.json") == 1.0
+
+
+def test_save_checks_its_path_before_writing(tmp_path):
+    (tmp_path / "adir").mkdir()
+    for bad, match in ((tmp_path / "adir", "folder"), (tmp_path / "no" / "p.json", "create it"),
+                       (str(tmp_path / "a\0b.json"), "NUL"), (3, "a path"),
+                       (tmp_path / ("x" * 256), "not a plain file name|too long")):
+        with pytest.raises(InvalidArgument, match=match):
+            small(1.0).save(bad)  # type: ignore[arg-type]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adir"]
+
+
+def test_a_symlinked_manifest_saves_to_its_target_beside_it(tmp_path):
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").mkdir()
+    small(9.0).save(tmp_path / "link" / "c.json")  # reads link/c.npz
+    small(1.0).save(tmp_path / "real" / "m.json")
+    (tmp_path / "link" / "m.json").symlink_to(tmp_path / "real" / "m.json")
+    small(2.0).save(tmp_path / "link" / "m.json")
+    assert loads_w(tmp_path / "real" / "m.json") == 2.0  # through the link: one program
+    assert (tmp_path / "link" / "m.json").is_symlink()
+    assert loads_w(tmp_path / "link" / "c.json") == 9.0
+    assert not (tmp_path / "link" / "m.npz").exists()
 
 
 def test_save_refuses_a_name_whose_constants_file_load_would_refuse(tmp_path):
-    with pytest.raises(InvalidArgument, match="choose another manifest name"):
+    with pytest.raises(InvalidArgument, match="choose a shorter manifest name"):
         small(1.0).save(tmp_path / ("x" * 253))  # x...x.npz: 257 bytes
     assert list(tmp_path.iterdir()) == []  # nothing written
     with pytest.raises(InvalidArgument, match="a path"):
@@ -255,6 +305,16 @@ def test_from_manifest_refuses_a_callable_that_is_not_callable():
         Program.from_manifest(doc, callables={"double": 5})
     assert info.value.path == "methods.f.steps[0].callable"
     assert Program.from_manifest(doc, callables={"double": lambda s, i, o: None})
+
+
+def test_examples_are_written_to_a_folder_given_as_str(tmp_path):
+    from streamlane.runtime.examples import write_examples
+
+    write_examples(str(tmp_path))
+    assert Program.load(tmp_path / "encoder.json") == load("encoder")
+    write_examples(tmp_path)  # again: its own files, replaced
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "decoder.json", "decoder.npz", "encoder.json", "encoder.npz"]
 
 
 def test_examples_path_refuses_an_unknown_name():

@@ -526,6 +526,13 @@ def test_device_calls_refuse_arguments_of_the_wrong_kind(device):
     a = device.to_device(np.ones(2, np.float32), s)
     o = device.empty((2,), "float32", s)
     prepared = device.prepare("relu", [(2,)])
+    big = device.empty((1024,), "float32", s)
+
+    class Raising:
+        @property
+        def __cuda_stream__(self):
+            raise ZeroDivisionError
+
     for call in (lambda: device.launch("relu", None, [a], [o]),
                  lambda: device.launch("relu", "s", [a], [o]),
                  lambda: device.launch("scale", s, [a], [o], [1]),
@@ -545,7 +552,13 @@ def test_device_calls_refuse_arguments_of_the_wrong_kind(device):
                  lambda: device.copy(o, a, 0),
                  lambda: device.to_host(a, None),
                  lambda: device.to_host(np.ones(2), s),
-                 lambda: device.enqueue_callable(None, lambda *x: None, [a], [o])):
+                 lambda: device.enqueue_callable(None, lambda *x: None, [a], [o]),
+                 lambda: device.prepare("relu", [(2,)], extra=5),
+                 lambda: device.wrap_stream(Raising()),
+                 lambda: prepared.run(s, [a, a], [o]),  # arity: the kernel would misread
+                 lambda: prepared.bind()(s, [a, a], [o]),
+                 lambda: prepared.run(s, [big], [big]),  # shapes it was not prepared for
+                 lambda: device.prepare("add", [(2,), (2,)]).run(s, [a], [o])):
         with pytest.raises(InvalidArgument):
             call()
     from collections import deque

@@ -4,6 +4,7 @@ row softmax). ``load(name)`` reads the shipped files; ``build_*`` makes other si
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -58,9 +59,10 @@ def build_decoder(batch: int = 8, width: int = 256, blocks: int = 2, seed: int =
     return b.finish()
 
 
-def write_examples(folder: Path = _HERE) -> None:
+def write_examples(folder: str | os.PathLike[str] = _HERE) -> None:
     """Write the example programs into ``folder`` (default: the shipped files; ``python -m
     streamlane.runtime.examples DIR``)."""
+    folder = Path(folder)
     build_encoder().save(folder / "encoder.json")
     build_decoder().save(folder / "decoder.json")
 
