@@ -135,7 +135,7 @@ class Program:
         # The .npz's data is read only once the whole manifest has been validated against
         # the members' headers: a bad manifest is reported as such, whatever lies beside it,
         # and costs no memory for its constants.
-        return _Validator(doc, {}, {}, folder=path.parent).program()
+        return _Validator(doc, {}, {}, folder=_manifest_file(path).parent).program()
 
     @classmethod
     def from_manifest(cls, doc: Any, constants: Mapping[str, np.ndarray] | None = None,
@@ -171,13 +171,14 @@ class Program:
         ``encoder.npz``; a name not ending in ``.json`` gets ``.npz`` appended (``model.v1`` →
         ``model.v1.npz``). The manifest records the constants file's name.
 
-        Nothing on disk is lost to a save: the constants replace a file of that name only if
-        the manifest now at ``path`` reads it (its own earlier save); any other file there
-        (another program's constants, a left-over) is kept, and the constants take the first
-        free name ``encoder-1.npz``, ``encoder-2.npz``, ... Both files are written to
-        temporary names and renamed into place, the manifest last, so a save that fails
-        leaves the program that was there intact. A symlinked manifest path saves to its
-        target, beside it."""
+        A save replaces its own earlier files only: the manifest at ``path`` and the
+        constants file that manifest reads. Any other file of the constants' name (another
+        program's, a left-over) is kept, and the constants take the first free name
+        ``encoder-1.npz``, ``encoder-2.npz``, ... Both files are written under temporary
+        names and renamed into place, the manifest last; a save that fails puts the old
+        constants back, so the program that was there stays whole. A replaced file keeps its
+        mode. A symlinked manifest is saved at its target, beside which ``load`` then looks
+        for the constants (as it does for any symlinked manifest)."""
         path = _save_path(path)
         if self.callables:
             raise NotSupported(f"program {self.name!r} has callable steps "
@@ -188,19 +189,30 @@ class Program:
         if self.constants:
             npz = _free_constants_path(path)
             doc["constants"] = npz.name
-        written: list[Path] = []
+        written: list[Path] = []  # temporary files: removed unless renamed into place
+        backup: Path | None = None  # the old constants, while the new ones take their place
         try:
             if npz is not None:
-                with _new_file(path.parent, written) as f:
+                with _new_file(path.parent, written, like=npz) as f:
                     np.savez(f, **{k: _npz_safe(v) for k, v in self.constants.items()})
-            with _new_file(path.parent, written) as f:
+            with _new_file(path.parent, written, like=path) as f:
                 f.write((json.dumps(doc, indent=1) + "\n").encode("utf-8"))
             if npz is not None:
+                if npz.exists():  # its own earlier constants (_free_constants_path)
+                    backup = path.parent / f".streamlane-save-{uuid.uuid4().hex}.old"
+                    os.replace(npz, backup)
                 os.replace(written[0], npz)
-            os.replace(written[-1], path)  # last: until here the old program is whole
+            os.replace(written[-1], path)  # last: until here the old manifest is in place
+        except BaseException:
+            if backup is not None and npz is not None:  # the old manifest reads these
+                os.replace(backup, npz)
+                backup = None
+            raise
         finally:
             for temp in written:
                 temp.unlink(missing_ok=True)  # gone once renamed
+            if backup is not None:
+                backup.unlink(missing_ok=True)
 
     # -- binding --------------------------------------------------------------------------
     def method(self, name: str, device: Device | str | None = None, **options: Any) -> Method:
@@ -478,34 +490,50 @@ def _save_path(path: Any) -> Path:
         raise InvalidArgument(f"save({text!r}): a path cannot hold a NUL character")
     target = Path(text)
     try:
-        if target.is_symlink():
-            target = target.resolve()
+        target = _manifest_file(target)
         folder_ok = target.parent.is_dir()
-        is_dir = target.is_dir()
-    except (OSError, RuntimeError) as exc:  # a symlink loop, a name too long for the system
+        exists, regular = target.exists(), target.is_file()
+    except (OSError, RuntimeError, InvalidProgram) as exc:  # a loop, a name too long
         raise InvalidArgument(f"save({text!r}): {exc}") from None
-    if is_dir:
-        raise InvalidArgument(f"save({text!r}): that is a folder; name the manifest file in it")
+    if exists and not regular:
+        raise InvalidArgument(f"save({text!r}): that is not a regular file (a folder, a device, "
+                              f"a pipe); name a file to write the manifest to")
     if not folder_ok:
         raise InvalidArgument(f"save({text!r}): the folder {str(target.parent)!r} does not "
                               f"exist; create it first")
-    if not _plain_file_name(target.name):
-        raise InvalidArgument(f"save({text!r}): {target.name!r} is not a plain file name "
-                              f"(at most 255 bytes, no control character or leading dot)")
-    if target.is_file() and zipfile.is_zipfile(target):
+    if regular and zipfile.is_zipfile(target):
         raise InvalidArgument(f"save({text!r}): that file is a zip archive (another program's "
                               f"constants, say), which a manifest would overwrite; choose "
                               f"another manifest name")
     return target
 
 
-def _new_file(folder: Path, written: list[Path]) -> Any:
+def _manifest_file(path: Path) -> Path:
+    """The file a manifest path names: a symlink's target (its constants lie beside that)."""
+    if not path.is_symlink():
+        return path
+    try:
+        return path.resolve(strict=False)
+    except RuntimeError as exc:  # a symlink loop (Python 3.11-3.12)
+        raise InvalidProgram("", f"a manifest path, not a symlink loop at {path}",
+                             str(exc)) from None
+
+
+def _new_file(folder: Path, written: list[Path], like: Path) -> Any:
     """A new file of a unique hidden name in ``folder``, open for binary writing, its path
-    appended to ``written`` first (the caller removes what it does not rename). Created with
-    mode 0o666 less the umask, as a plain ``open()`` would make it."""
+    appended to ``written`` first (the caller removes what it does not rename). Its mode is
+    that of ``like`` where ``like`` exists (the file it will replace), else 0o666 less the
+    umask, as a plain ``open()`` would leave it either way."""
     temp = folder / f".streamlane-save-{uuid.uuid4().hex}.tmp"
     written.append(temp)
-    return os.fdopen(os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb")
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        if like.is_file():
+            os.chmod(fd, like.stat().st_mode & 0o7777)
+        return os.fdopen(fd, "wb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _free_constants_path(manifest: Path) -> Path:
@@ -519,7 +547,7 @@ def _free_constants_path(manifest: Path) -> Path:
             raise InvalidArgument(f"save({str(manifest)!r}): its constants file would be "
                                   f"{npz.name!r}, which load() refuses (at most 255 bytes, no "
                                   f"path separator, control character or leading dot); choose "
-                                  f"a shorter manifest name")
+                                  f"another manifest name")
         if not os.path.lexists(npz) or (npz.is_file() and not npz.is_symlink()
                                         and _constants_named(manifest) == npz.name):
             return npz

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -154,21 +156,64 @@ def test_save_checks_its_path_before_writing(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adir"]
 
 
-def test_a_symlinked_manifest_saves_to_its_target_beside_it(tmp_path):
+def test_a_symlinked_manifest_saves_to_its_target_and_loads_through_the_link(tmp_path):
     (tmp_path / "real").mkdir()
     (tmp_path / "link").mkdir()
     small(9.0).save(tmp_path / "link" / "c.json")  # reads link/c.npz
     small(1.0).save(tmp_path / "real" / "m.json")
     (tmp_path / "link" / "m.json").symlink_to(tmp_path / "real" / "m.json")
+    np.savez(tmp_path / "link" / "m.npz", w=np.zeros((2, 2), np.float32))  # a stale one
     small(2.0).save(tmp_path / "link" / "m.json")
-    assert loads_w(tmp_path / "real" / "m.json") == 2.0  # through the link: one program
     assert (tmp_path / "link" / "m.json").is_symlink()
+    assert loads_w(tmp_path / "link" / "m.json") == 2.0  # the target's constants, not the stale
+    assert loads_w(tmp_path / "real" / "m.json") == 2.0
     assert loads_w(tmp_path / "link" / "c.json") == 9.0
-    assert not (tmp_path / "link" / "m.npz").exists()
+    (tmp_path / "loop.json").symlink_to(tmp_path / "loop.json")
+    with pytest.raises(InvalidArgument):
+        small(1.0).save(tmp_path / "loop.json")
+    with pytest.raises(InvalidProgram):
+        Program.load(tmp_path / "loop.json")
+
+
+def test_a_save_that_fails_between_its_renames_puts_the_old_constants_back(tmp_path,
+                                                                           monkeypatch):
+    import streamlane.runtime.program as program_module
+
+    small(1.0).save(tmp_path / "p.json")
+    before = sorted((p.name, p.read_bytes()) for p in tmp_path.iterdir())
+    real = os.replace
+
+    def replace(src, dst):
+        if Path(dst).name == "p.json":  # the manifest's rename, after the constants'
+            raise KeyboardInterrupt
+        return real(src, dst)
+
+    monkeypatch.setattr(program_module.os, "replace", replace)
+    with pytest.raises(KeyboardInterrupt):
+        small(2.0).save(tmp_path / "p.json")
+    monkeypatch.undo()
+    assert sorted((p.name, p.read_bytes()) for p in tmp_path.iterdir()) == before
+    assert loads_w(tmp_path / "p.json") == 1.0
+
+
+def test_a_save_keeps_the_mode_of_what_it_replaces_and_refuses_special_files(tmp_path):
+    small(1.0).save(tmp_path / "p.json")
+    for name in ("p.json", "p.npz"):
+        os.chmod(tmp_path / name, 0o600)
+    small(2.0).save(tmp_path / "p.json")
+    assert [(tmp_path / n).stat().st_mode & 0o777 for n in ("p.json", "p.npz")] == [0o600] * 2
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(InvalidArgument, match="not a regular file"):
+        small(1.0).save(tmp_path / "fifo")
+    b = Program.build("hidden")  # no constants: any name the system takes
+    m = b.method("f", x=("float32", [2]))
+    m.output(m.step("relu", "x", out="y"))
+    b.finish().save(tmp_path / ".prog.json")
+    assert Program.load(tmp_path / ".prog.json").name == "hidden"
 
 
 def test_save_refuses_a_name_whose_constants_file_load_would_refuse(tmp_path):
-    with pytest.raises(InvalidArgument, match="choose a shorter manifest name"):
+    with pytest.raises(InvalidArgument, match="choose another manifest name"):
         small(1.0).save(tmp_path / ("x" * 253))  # x...x.npz: 257 bytes
     assert list(tmp_path.iterdir()) == []  # nothing written
     with pytest.raises(InvalidArgument, match="a path"):
