@@ -478,11 +478,14 @@ def _check_start(method: Method, start: object, what: str) -> None:
 
 
 def _busy(method: Method, what: str) -> InvalidState:
-    """Refuse a second thread instead of running unordered (rule 4)."""
-    return InvalidState(
+    """Refuse a second thread instead of running unordered (rule 4). ``method_busy`` marks
+    the error for callers that explain it in their own terms (the scheduler's lanes)."""
+    error = InvalidState(
         f"{method.name}: {what}() called while another thread is using this method; drive one "
         f"method from one thread at a time (hold a lock around set_inputs/execute/get_outputs, "
         f"or give each thread its own method)")
+    error.method_busy = True  # type: ignore[attr-defined]
+    return error
 
 
 def _contiguous_strides(shape: tuple[int, ...], dtype: np.dtype) -> tuple[int, ...]:

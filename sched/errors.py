@@ -50,8 +50,8 @@ class DependencyFailed(StreamlaneError):
     def __init__(self, job: Job, dependency: Job, error: BaseException):
         self.job = job
         self.dependency = dependency
-        super().__init__(f"{job!r} was not run: it depends on {dependency!r}, which failed with "
-                         f"{type(error).__name__}: {error}")
+        super().__init__(f"{job.label} was not run: it depends on {dependency.label}, which "
+                         f"failed with {type(error).__name__}: {error}")
 
 
 class TimingStallWarning(UserWarning):

@@ -248,22 +248,25 @@ class Job:
         its device work runs to completion, its buffers stay alive until then, and the
         scheduler releases them in the background.
         """
-        waker = self.lane._core.waker  # a finished job may be awaited from another loop
-        if not waker.on_loop() and (not self._finished
-                                    or threading.get_ident() != waker.loop_thread):
-            self.lane._core.check_loop_thread(f"await {self!r}")
-        if self._parked:  # a lone job the loop enqueues now, at its first await
-            self.lane._core.start_parked()
-        if self._finished:
-            await self.lane._core.checkpoint()
+        waker = self.lane._core.waker
+        if not waker.on_loop():  # a finished job may be awaited from any loop, any thread:
+            if not self._finished:  # nothing of its scheduler is touched then
+                self.lane._core.check_loop_thread(f"await {self!r}")  # raises
+            await anyio.lowlevel.checkpoint()
         else:
-            if self._is_published and self._enqueue_error is None:  # in flight: a short poll
-                # may beat the waiter's wakeup (and gives a job the loop kept to the waiter)
-                await self.lane.poll(self)
-            if not self._finished and self._claimed:  # counted as done, its settle posted
-                self.lane.observe(self)  # (or cut short by a Ctrl-C): settled here
-            if not self._finished:
-                await self._wait_done()
+            if self._parked:  # a lone job the loop enqueues now, at its first await
+                self.lane._core.start_parked()
+            if self._finished:
+                await self.lane._core.checkpoint()
+            else:
+                if self._is_published and self._enqueue_error is None:  # in flight: a short
+                    # poll may beat the waiter's wakeup (and gives a job the loop kept to the
+                    # waiter)
+                    await self.lane.poll(self)
+                if not self._finished and self._claimed:  # counted as done, its settle
+                    self.lane.observe(self)  # posted (or cut short by a Ctrl-C): settled here
+                if not self._finished:
+                    await self._wait_done()
         self._retrieved = True
         if self._error is not None:
             raise self._error
@@ -349,10 +352,16 @@ class Job:
         self.lane._core.yielded()
 
     def __repr__(self) -> str:
+        return f"{self.label[:-1]} {self.state}>"
+
+    @property
+    def label(self) -> str:
+        """The job without its state (``<Job enc.forward lane=0>``): for messages written
+        before the job settles, which a state would contradict once it has."""
         where = f"lane={self.lane.index}"
         if self.stream is not None:
             where += " caller-stream"
-        return f"<Job {self.name} {where} {self.state}>"
+        return f"<Job {self.name} {where}>"
 
 
 def check_jobs(after: Any, device: Any) -> tuple[Job, ...]:

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from streamlane.runtime import CallerStream, Device, Event, current_stream
-from streamlane.runtime.errors import DeviceError
+from streamlane.runtime.errors import DeviceError, InvalidState
 from streamlane.runtime.stream import no_caller_stream
 
 from .errors import DependencyFailed, SchedulerClosed
@@ -465,10 +465,19 @@ class Lane:
                 # Ctrl-C on the loop thread: the caller gets it, once (it was swallowed into
                 # the job); the job fails with an error of its own, not the interrupt again.
                 self._not_run(job, FAILED, SchedulerClosed(
-                    f"{job!r} failed: a {type(exc).__name__} interrupted the event loop while "
+                    f"{job.label} failed: a {type(exc).__name__} interrupted the event loop while "
                     f"it enqueued the job; part of its work may have reached the device"))
                 job._retrieved = True
                 raise
+            if getattr(exc, "method_busy", False):  # the runtime's words are for threads
+                busy = InvalidState(
+                    f"{job.label} was not run: its method {job.method.name} was in use by "
+                    f"another thread at that moment (another scheduler's lane, or a direct "
+                    f"call such as m(x)); a method is driven by one scheduler at a time: bind "
+                    f"one method per scheduler (program.method(name, device=...)), or let the "
+                    f"other use finish first")
+                busy.__cause__ = exc
+                exc = busy
             self._not_run(job, FAILED, exc)
             return False
         else:
@@ -497,7 +506,7 @@ class Lane:
             return True
         if core.cancelling:
             self._not_run(job, CANCELLED, SchedulerClosed(
-                f"{job!r} was cancelled before it ran: the scheduler left its async with block "
+                f"{job.label} was cancelled before it ran: the scheduler left its async with block "
                 f"on an error"))
             return True
         return False

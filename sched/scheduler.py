@@ -377,13 +377,13 @@ class Scheduler:
                 self.finish(job, job._state, job._error)  # gives back what a cut-short one kept
                 continue
             if job._abandon(SchedulerClosed(
-                    f"{job!r} was cancelled before it ran: an exception interrupted its submit "
+                    f"{job.label} was cancelled before it ran: an exception interrupted its submit "
                     f"(or the close) before it reached lane {job.lane.index}")):
                 self.finish(job, CANCELLED, job._enqueue_error)
                 continue
             # Taken to run, and cut short before it was published: as the lane reports a job
             # that failed while it was enqueued (its stream unpinned, jobs after it released).
-            error = SchedulerClosed(f"{job!r} failed: an exception interrupted lane "
+            error = SchedulerClosed(f"{job.label} failed: an exception interrupted lane "
                                     f"{job.lane.index} while it enqueued the job; part of its "
                                     f"work may have reached the device")
             if not job._is_published:
@@ -582,7 +582,7 @@ class Scheduler:
         if self._parked is job or job._finished:
             return
         job._parked = False
-        error = SchedulerClosed(f"{job!r} was cancelled before it ran: an exception "
+        error = SchedulerClosed(f"{job.label} was cancelled before it ran: an exception "
                                 f"interrupted its hand-over to lane {job.lane.index}")
         if job._abandon(error):
             job._not_run_state = CANCELLED
@@ -737,7 +737,7 @@ class Scheduler:
             job.lane.run_inline(job)
         except BaseException:  # Ctrl-C on the loop thread, inside its own enqueue of the job
             if not job._is_published:  # cut short after the lane's own handling: as it would
-                error = SchedulerClosed(f"{job!r} failed: an exception interrupted the event "
+                error = SchedulerClosed(f"{job.label} failed: an exception interrupted the event "
                                         f"loop while it enqueued the job; part of its work may "
                                         f"have reached the device")
                 job._publish(None, None, error)

@@ -578,7 +578,7 @@ async def test_jobs_settled_by_the_waiter_are_not_kept_by_it(host):
 async def test_submit_await_and_close_from_another_thread_raise_invalid_state(device):
     """A scheduler's jobs and queues belong to the loop that entered it: another loop or
     thread gets InvalidState at once, nothing is submitted, and nothing hangs or leaks."""
-    m = double_program().method("forward", device=device)
+    m = spin_program(300_000, "held").method("forward", device=device)  # y = x, after 0.3 s
     x = data(0)
 
     def from_other_loop(fn):
@@ -592,11 +592,11 @@ async def test_submit_await_and_close_from_another_thread_raise_invalid_state(de
         async with Scheduler(device, lanes=1) as sched:
             job = await sched.submit(m, [x])
             await anyio.to_thread.run_sync(from_other_loop, lambda: sched.submit(m, [x]))
-            await anyio.to_thread.run_sync(from_other_loop, job.wait)
+            await anyio.to_thread.run_sync(from_other_loop, job.wait)  # not finished yet
             await anyio.to_thread.run_sync(from_other_loop, sched.aclose)
             (out,) = await job
             assert sched.statistics()[0].completed == 1
-    np.testing.assert_array_equal(out.to_host(), 2 * x)
+    np.testing.assert_array_equal(out.to_host(), x)
     assert not [t for t in threading.enumerate() if t.name.startswith("streamlane-lane")]
 
 
@@ -886,3 +886,71 @@ async def test_a_method_whose_outputs_are_views_is_refused(device):
             (y,) = await sched.run(double_program("copies").method("forward", device=device),
                                    [data(0)])
     np.testing.assert_allclose(y.to_host(), 2 * data(0), rtol=1e-6)
+
+
+@pytest.mark.anyio
+async def test_a_finished_job_can_be_awaited_from_a_loop_on_another_thread(device):
+    method = double_program("elsewhere").method("forward", device=device)
+    with anyio.fail_after(30):
+        async with Scheduler(device, lanes=1) as sched:
+            job = await sched.submit(method, [data(3)])
+            pending = await sched.submit(spin_program(200_000, "long").method(
+                "forward", device=device), [data(4)])
+            await job
+
+            def elsewhere(target):
+                async def main():
+                    return await target
+
+                return anyio.run(main)
+
+            (y,) = await anyio.to_thread.run_sync(elsewhere, job)
+            with pytest.raises(InvalidState, match="another thread"):
+                await anyio.to_thread.run_sync(elsewhere, pending)  # not finished: refused
+            await pending
+    np.testing.assert_allclose(y.to_host(), 2 * data(3), rtol=1e-6)
+    (again,) = await anyio.to_thread.run_sync(elsewhere, job)  # and after the close
+    np.testing.assert_allclose(again.to_host(), 2 * data(3), rtol=1e-6)
+
+
+@pytest.mark.anyio
+async def test_a_method_in_use_by_another_scheduler_fails_the_job_with_a_clear_error(device):
+    """Two schedulers drive one method; while one lane holds it (a Gate input keeps its
+    thread inside the call), the other's job fails with an error that names the job and
+    says what to do, and nothing else is affected."""
+    method = double_program("shared").method("forward", device=device)
+    gate = Gate(data(5))
+    with anyio.fail_after(30):
+        async with Scheduler(device, lanes=1) as one, Scheduler(device, lanes=1) as two:
+            held = await one.submit(method, [gate])
+            await anyio.to_thread.run_sync(gate.entered.wait, 5)
+            refused = await two.submit(method, [data(6)])
+            with pytest.raises(InvalidState, match="in use by another thread") as info:
+                await refused
+            gate.open()
+            (y,) = await held
+            (z,) = await two.run(method, [data(7)])  # free again: it runs
+    message = str(info.value)
+    assert message.startswith("<Job shared.forward lane=0> was not run") and \
+        "one method per scheduler" in message
+    np.testing.assert_allclose(y.to_host(), 2 * data(5), rtol=1e-6)
+    np.testing.assert_allclose(z.to_host(), 2 * data(7), rtol=1e-6)
+
+
+@pytest.mark.anyio
+async def test_a_dependency_failure_names_the_jobs_without_a_state_they_left(device):
+    method = double_program("first").method("forward", device=device)
+    other = double_program("second").method("forward", device=device)
+    with anyio.fail_after(30):
+        async with Scheduler(device, lanes=2) as sched:
+            bad = await sched.submit(method, [np.zeros((3, 3), np.float32)], lane=0)
+            dependent = await sched.submit(other, [bad.outputs[0]], lane=1)
+            with pytest.raises(Exception) as info:
+                await dependent
+            with pytest.raises(InvalidInput):
+                await bad
+    assert type(info.value).__name__ == "DependencyFailed"
+    assert str(info.value).startswith("<Job second.forward lane=1> was not run: it depends on "
+                                      "<Job first.forward lane=0>, which failed with "
+                                      "InvalidInput"), str(info.value)
+
