@@ -51,7 +51,7 @@ class DependencyFailed(StreamlaneError):
         self.job = job
         self.dependency = dependency
         super().__init__(f"{job.label} was not run: it depends on {dependency.label}, which "
-                         f"failed with {type(error).__name__}: {error}")
+                         f"did not complete ({type(error).__name__}: {error})")
 
 
 class TimingStallWarning(UserWarning):

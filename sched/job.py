@@ -116,6 +116,7 @@ class Job:
         "_done",
         "_enqueue_error",
         "_error",
+        "_error_tb",
         "_finished",
         "_host_waits",
         "_inputs",
@@ -182,6 +183,7 @@ class Job:
         self._accounted = False  # its room, count and pin given back (Scheduler.finish)
         self._state = QUEUED
         self._error: BaseException | None = None
+        self._error_tb: Any = None  # its traceback as it was settled
         self._retrieved = False
 
     # -- public state ---------------------------------------------------------------------
@@ -251,7 +253,8 @@ class Job:
         waker = self.lane._core.waker
         if not waker.on_loop():  # a finished job may be awaited from any loop, any thread:
             if not self._finished:  # nothing of its scheduler is touched then
-                self.lane._core.check_loop_thread(f"await {self!r}")  # raises
+                self.lane._core.check_loop_thread(  # raises
+                    f"await {self.label} before it finished (once finished, any loop may)")
             await anyio.lowlevel.checkpoint()
         else:
             if self._parked:  # a lone job the loop enqueues now, at its first await
@@ -268,8 +271,8 @@ class Job:
                 if not self._finished:
                     await self._wait_done()
         self._retrieved = True
-        if self._error is not None:
-            raise self._error
+        if self._error is not None:  # each await adds only its own frames (as a Future)
+            raise self._error.with_traceback(self._error_tb)
         assert self.results is not None
         return list(self.results)
 
@@ -337,6 +340,7 @@ class Job:
         self._finished = True
         self._state = state
         self._error = error
+        self._error_tb = error.__traceback__ if error is not None else None
         if state != DONE:
             self.results = None  # a failed job's outputs are garbage: let their buffers go
         self._start_event = None
@@ -356,12 +360,13 @@ class Job:
 
     @property
     def label(self) -> str:
-        """The job without its state (``<Job enc.forward lane=0>``): for messages written
-        before the job settles, which a state would contradict once it has."""
+        """The job without its state (``<Job #3 enc.forward lane=0>``, ``#3`` its submit
+        order): for messages written before the job settles, which a state would contradict
+        once it has."""
         where = f"lane={self.lane.index}"
         if self.stream is not None:
             where += " caller-stream"
-        return f"<Job {self.name} {where}>"
+        return f"<Job #{self.id} {self.name} {where}>"
 
 
 def check_jobs(after: Any, device: Any) -> tuple[Job, ...]:

@@ -513,14 +513,14 @@ async def test_reprs_show_state(device):
                 job = await sched.submit(method, [data(0)], lane=1, stream=held)
                 await wait_until(lambda: job.state == "running")
                 assert repr(sched.lanes[1]) == f"<Lane 1 {device.name}, 0 queued, 1 in flight>"
-                assert repr(job) == "<Job double.forward lane=1 caller-stream running>"
+                assert repr(job) == f"<Job #{job.id} double.forward lane=1 caller-stream running>"
                 assert repr(sched) == f"<Scheduler {device.name}, 2 lanes, open, 1 pending>"
                 latch.release()
                 await job
-                assert repr(job) == "<Job double.forward lane=1 caller-stream done>"
+                assert repr(job) == f"<Job #{job.id} double.forward lane=1 caller-stream done>"
                 plain = await sched.submit(method, [data(0)])
                 await plain
-                assert repr(plain) == "<Job double.forward lane=1 done>"
+                assert repr(plain) == f"<Job #{plain.id} double.forward lane=1 done>"
                 assert repr(sched.lanes[0]) == f"<Lane 0 {device.name}, 0 queued>"
 
 
@@ -931,7 +931,7 @@ async def test_a_method_in_use_by_another_scheduler_fails_the_job_with_a_clear_e
             (y,) = await held
             (z,) = await two.run(method, [data(7)])  # free again: it runs
     message = str(info.value)
-    assert message.startswith("<Job shared.forward lane=0> was not run") and \
+    assert message.startswith(f"<Job #{refused.id} shared.forward lane=0> was not run") and \
         "one method per scheduler" in message
     np.testing.assert_allclose(y.to_host(), 2 * data(5), rtol=1e-6)
     np.testing.assert_allclose(z.to_host(), 2 * data(7), rtol=1e-6)
@@ -950,7 +950,26 @@ async def test_a_dependency_failure_names_the_jobs_without_a_state_they_left(dev
             with pytest.raises(InvalidInput):
                 await bad
     assert type(info.value).__name__ == "DependencyFailed"
-    assert str(info.value).startswith("<Job second.forward lane=1> was not run: it depends on "
-                                      "<Job first.forward lane=0>, which failed with "
-                                      "InvalidInput"), str(info.value)
+    assert str(info.value).startswith(
+        f"<Job #{dependent.id} second.forward lane=1> was not run: it depends on "
+        f"<Job #{bad.id} first.forward lane=0>, which did not complete (InvalidInput"), \
+        str(info.value)
+
+
+@pytest.mark.anyio
+async def test_each_await_of_a_failed_job_gets_only_its_own_traceback(device):
+    method = double_program("tb").method("forward", device=device)
+    with anyio.fail_after(30):
+        async with Scheduler(device, lanes=1) as sched:
+            job = await sched.submit(method, [np.zeros((3, 3), np.float32)])
+            depths = []
+            for _ in range(50):
+                try:
+                    await job
+                except InvalidInput as exc:
+                    tb, depth = exc.__traceback__, 0
+                    while tb is not None:
+                        tb, depth = tb.tb_next, depth + 1
+                    depths.append(depth)
+    assert len(set(depths)) == 1, depths  # it grew with every await
 
