@@ -22,7 +22,7 @@ from streamlane.kernels import KernelSpec, KernelSpecError, LaunchConfig, Unknow
 from .errors import InvalidArgument
 from .event import Event
 from .memory import Buffer, DeviceArray
-from .stream import FOREIGN, OWNED, Stream
+from .stream import FOREIGN, OWNED, Stream, foreign_stream_handle
 
 __all__ = ["Device", "DeviceStats", "Latch", "PreparedLaunch", "get_device"]
 
@@ -121,28 +121,7 @@ class Device(ABC):
             if obj.device is not self:
                 raise InvalidArgument(f"{obj!r} belongs to {obj.device.name}, not {self.name}")
             return obj
-        try:  # a property may raise anything
-            proto = getattr(obj, "__cuda_stream__", None)
-        except Exception as exc:
-            raise InvalidArgument(f"reading {type(obj).__name__}.__cuda_stream__ raised "
-                                  f"{exc!r}") from None
-        if proto is None:
-            raise InvalidArgument(f"{type(obj).__name__} has no __cuda_stream__; pass a Stream or "
-                                  f"an object implementing the CUDA stream protocol")
-        try:
-            value = proto() if callable(proto) else proto
-        except Exception as exc:
-            raise InvalidArgument(f"{type(obj).__name__}.__cuda_stream__() raised {exc!r}") from exc
-        if (not isinstance(value, tuple) or len(value) != 2
-                or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)):
-            raise InvalidArgument(f"{type(obj).__name__}.__cuda_stream__() must return a tuple "
-                                  f"(version, handle) of two ints, got {value!r}")
-        version, handle = value
-        if version != 0:
-            raise InvalidArgument(f"__cuda_stream__ protocol version {version} is not supported "
-                                  f"(only version 0)")
-        if handle < 0 or handle >= 1 << 64:
-            raise InvalidArgument(f"__cuda_stream__ returned an invalid handle {handle}")
+        handle = foreign_stream_handle(obj)
         return self.stream_from_handle(handle, keepalive=obj)
 
     def stream_from_handle(self, handle: int, keepalive: Any = None) -> Stream:

@@ -296,6 +296,35 @@ def no_caller_stream() -> Iterator[None]:
         _selection.stack = saved if saved is not None else []
 
 
+def foreign_stream_handle(obj: Any) -> int:
+    """The CUDA stream handle ``obj`` names through the stream protocol (``__cuda_stream__``,
+    an attribute or a method giving ``(0, handle)``). Whatever is wrong with it, a property
+    that raises included, is an ``InvalidArgument``."""
+    try:
+        proto = getattr(obj, "__cuda_stream__", None)
+    except Exception as exc:  # a property may raise anything
+        raise InvalidArgument(f"reading {type(obj).__name__}.__cuda_stream__ raised "
+                              f"{exc!r}") from None
+    if proto is None:
+        raise InvalidArgument(f"{type(obj).__name__} has no __cuda_stream__; pass a Stream or "
+                              f"an object implementing the CUDA stream protocol")
+    try:
+        value = proto() if callable(proto) else proto
+    except Exception as exc:
+        raise InvalidArgument(f"{type(obj).__name__}.__cuda_stream__() raised {exc!r}") from exc
+    if (not isinstance(value, tuple) or len(value) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)):
+        raise InvalidArgument(f"{type(obj).__name__}.__cuda_stream__() must return a tuple "
+                              f"(version, handle) of two ints, got {value!r}")
+    version, handle = value
+    if version != 0:
+        raise InvalidArgument(f"__cuda_stream__ protocol version {version} is not supported "
+                              f"(only version 0)")
+    if handle < 0 or handle >= 1 << 64:
+        raise InvalidArgument(f"__cuda_stream__ returned an invalid handle {handle}")
+    return handle
+
+
 def _not_an_event(what: str, value: Any) -> InvalidArgument:
     return InvalidArgument(f"Stream.{what}() takes an Event (device.create_event() or "
                            f"stream.record()), got {type(value).__name__}")

@@ -57,6 +57,7 @@ from anyio.lowlevel import checkpoint, checkpoint_if_cancelled
 
 from streamlane.runtime import CallerStream, Device, Event, Method, Result, Stream, get_device
 from streamlane.runtime.errors import InvalidArgument, InvalidState, NotSupported, StreamClosed
+from streamlane.runtime.stream import foreign_stream_handle
 
 from ._wakeup import LoopWaker
 from .errors import ClosedStreamGiven, SchedulerBroken, SchedulerClosed, TimingStallWarning
@@ -134,10 +135,8 @@ def _busy_key(job: Job) -> Any:
     if isinstance(stream, Stream):
         return stream.handle
     try:
-        proto = stream.__cuda_stream__
-        value = proto() if callable(proto) else proto
-        return int(value[1])
-    except Exception:
+        return foreign_stream_handle(stream)
+    except InvalidArgument:
         return ("object", id(stream))  # hashable whatever the object (a key of a dict)
 
 
