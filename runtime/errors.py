@@ -16,6 +16,7 @@ __all__ = [
     "InvalidProgram",
     "InvalidState",
     "KernelCompileError",
+    "MethodBusy",
     "NotSupported",
     "StreamClosed",
     "StreamlaneError",
@@ -86,6 +87,11 @@ class InvalidProgram(StreamlaneError):
 class InvalidState(StreamlaneError):
     """An operation was called in a state that does not allow it (the message says which call
     makes it valid)."""
+
+
+class MethodBusy(InvalidState):
+    """A method was called from one thread while another thread was using it (rule 4:
+    refused, never run unordered)."""
 
 
 class StreamClosed(InvalidState):

@@ -9,7 +9,8 @@ Guarantees:
 - ``execute()`` never waits on the host for the device's own work (rule 6); it may wait where
   memory someone else may use is reused: an output buffer another library took on an unknown
   stream (``may_wait_on_host``), or pinned staging for large host inputs (CUDA);
-- two threads executing one method at the same time get ``InvalidState``, never unordered work.
+- two threads executing one method at the same time get ``InvalidState`` (``MethodBusy``),
+  never unordered work.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .dtypes import DTYPES
-from .errors import InvalidArgument, InvalidInput, InvalidState, NotSupported
+from .errors import InvalidArgument, InvalidInput, InvalidState, MethodBusy, NotSupported
 from .event import Event
 from .memory import Buffer, DeviceArray
 from .result import OutputPool, PooledBuffer, Result, _Holder
@@ -477,15 +478,12 @@ def _check_start(method: Method, start: object, what: str) -> None:
                               f"{method.device.name} or None, got {type(start).__name__}")
 
 
-def _busy(method: Method, what: str) -> InvalidState:
-    """Refuse a second thread instead of running unordered (rule 4). ``method_busy`` marks
-    the error for callers that explain it in their own terms (the scheduler's lanes)."""
-    error = InvalidState(
+def _busy(method: Method, what: str) -> MethodBusy:
+    """Refuse a second thread instead of running unordered (rule 4)."""
+    return MethodBusy(
         f"{method.name}: {what}() called while another thread is using this method; drive one "
         f"method from one thread at a time (hold a lock around set_inputs/execute/get_outputs, "
         f"or give each thread its own method)")
-    error.method_busy = True  # type: ignore[attr-defined]
-    return error
 
 
 def _contiguous_strides(shape: tuple[int, ...], dtype: np.dtype) -> tuple[int, ...]:

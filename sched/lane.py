@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from streamlane.runtime import CallerStream, Device, Event, current_stream
-from streamlane.runtime.errors import DeviceError, InvalidState
+from streamlane.runtime.errors import DeviceError, InvalidState, MethodBusy
 from streamlane.runtime.stream import no_caller_stream
 
 from .errors import DependencyFailed, SchedulerClosed
@@ -469,7 +469,7 @@ class Lane:
                     f"it enqueued the job; part of its work may have reached the device"))
                 job._retrieved = True
                 raise
-            if getattr(exc, "method_busy", False):  # the runtime's words are for threads
+            if isinstance(exc, MethodBusy):  # the runtime's words are for threads
                 busy = InvalidState(
                     f"{job.label} was not run: its method {job.method.name} was in use by "
                     f"another thread at that moment (another scheduler's lane, or a direct "

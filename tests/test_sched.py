@@ -930,6 +930,9 @@ async def test_a_method_in_use_by_another_scheduler_fails_the_job_with_a_clear_e
             gate.open()
             (y,) = await held
             (z,) = await two.run(method, [data(7)])  # free again: it runs
+    from streamlane.runtime.errors import MethodBusy
+
+    assert isinstance(info.value.__cause__, MethodBusy)  # the runtime's own, kept as the cause
     message = str(info.value)
     assert message.startswith(f"<Job #{refused.id} shared.forward lane=0> was not run") and \
         "one method per scheduler" in message
