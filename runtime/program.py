@@ -379,11 +379,10 @@ class MethodBuilder:
              outs: Sequence[tuple[str, str, Sequence[int]]], name: str | None = None) -> None:
         """Append a callable step: ``fn(stream, ins, outs)`` enqueues its work on ``stream``
         (device arrays in, device arrays out)."""
-        if not callable(fn):
-            raise InvalidProgram(f"{member_path('methods', self.name)}.steps[{len(self._steps)}]"
-                                 ".callable",
-                                 "a callable fn(stream, ins, outs)", type(fn).__name__)
         step = f"{member_path('methods', self.name)}.steps[{len(self._steps)}]"
+        if not callable(fn):
+            raise InvalidProgram(f"{step}.callable", "a callable fn(stream, ins, outs)",
+                                 type(fn).__name__)
         if not isinstance(ins, (list, tuple)):
             raise InvalidProgram(f"{step}.in", "a list of tensor names", ins)
         for j, n in enumerate(ins):  # checked before the builder changes (as step() does)
@@ -541,6 +540,7 @@ def _free_constants_path(manifest: Path) -> Path:
     is not the one the manifest now at ``manifest`` reads; then the first free
     ``<stem>-<n>.npz``. A save never replaces a file that may be another program's."""
     first = _constants_path(manifest)
+    own = _constants_named(manifest)  # what the manifest there now reads, if any
     for n in range(10_000):
         npz = first if n == 0 else first.with_name(f"{first.stem}-{n}.npz")
         if not _plain_file_name(npz.name):
@@ -548,8 +548,8 @@ def _free_constants_path(manifest: Path) -> Path:
                                   f"{npz.name!r}, which load() refuses (at most 255 bytes, no "
                                   f"path separator, control character or leading dot); choose "
                                   f"another manifest name")
-        if not os.path.lexists(npz) or (npz.is_file() and not npz.is_symlink()
-                                        and _constants_named(manifest) == npz.name):
+        if not os.path.lexists(npz) or (npz.name == own and npz.is_file()
+                                        and not npz.is_symlink()):
             return npz
     raise InvalidArgument(f"save({str(manifest)!r}): no free constants file name beside it "
                           f"({first.name} and 10,000 more are taken)")
