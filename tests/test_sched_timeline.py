@@ -46,6 +46,13 @@ def lane_reads_held(monkeypatch):
     held.set()
 
 
+async def _one_job_per_lane(sched: Scheduler, method) -> None:
+    """Run one job on each lane, in turn: with ``lane_reads_held``, a held lane thread settles
+    nothing more, so each span is left to the loop's reads."""
+    for i in range(len(sched.lanes)):
+        await sched.run(method, [data(i)], lane=i)
+
+
 async def _two_spins(device, lanes: int, streams: bool = False) -> tuple[Scheduler, float]:
     a, b = (spin_program(SPIN_US, n).method("forward", device=device) for n in ("a", "b"))
     s = [device.create_stream(), device.create_stream()] if streams else [None, None]
@@ -287,8 +294,7 @@ async def test_spans_cut_short_by_an_interrupt_are_read_later_once(device, lane_
     with anyio.fail_after(30):
         async with Scheduler(device, lanes=4, poll_us=0) as sched:
             try:
-                for i in range(4):  # one per lane: a held thread settles nothing more
-                    await sched.run(method, [data(i)], lane=i)
+                await _one_job_per_lane(sched, method)
                 with cut, pytest.raises(Interrupt):
                     sched.timeline()
                 spans = sched.timeline().spans
@@ -328,9 +334,6 @@ async def test_spans_survive_an_interrupt_before_their_read_starts(device, monke
     is put back and read later, never lost."""
     from streamlane.sched.lane import Lane
 
-    class Interrupt(BaseException):
-        pass
-
     held = lane_reads_held
     real_read = Lane._read
     raised = []
@@ -346,8 +349,7 @@ async def test_spans_survive_an_interrupt_before_their_read_starts(device, monke
     with anyio.fail_after(30):
         async with Scheduler(device, lanes=2, poll_us=0) as sched:
             try:
-                for i in range(2):  # one per lane: a held thread settles nothing more
-                    await sched.run(method, [data(i)], lane=i)
+                await _one_job_per_lane(sched, method)
                 with pytest.raises(Interrupt):
                     sched.timeline()
                 spans = sched.timeline().spans
@@ -361,16 +363,12 @@ async def test_a_span_cut_short_while_recorded_is_never_read_twice(device, lane_
     """An interrupt as a span is recorded: that note is not read again (its start event would
     go back to the pool twice, and two later jobs would share it: a negative span)."""
 
-    class Interrupt(BaseException):
-        pass
-
     held = lane_reads_held
     method = spin_program(300, "twice").method("forward", device=device)
     with anyio.fail_after(30):
         async with Scheduler(device, lanes=3, poll_us=0) as sched:
             try:
-                for i in range(3):  # one per lane: a held thread settles nothing more
-                    await sched.run(method, [data(i)], lane=i)
+                await _one_job_per_lane(sched, method)
                 real_record = sched.record_span
                 calls = []
 
@@ -443,9 +441,6 @@ async def test_a_lost_read_of_the_loops_spans_is_made_up_for(device, monkeypatch
     queued); notes then still stop piling up, at 4x that."""
     from streamlane.sched._wakeup import LoopWaker
     from streamlane.sched.lane import UNREAD_MAX
-
-    class Interrupt(BaseException):
-        pass
 
     real = LoopWaker.call_soon
     lost = []
