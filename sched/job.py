@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from streamlane.runtime.errors import InvalidArgument, InvalidState
+from streamlane.sched._reentry import reentered
 
 if TYPE_CHECKING:
     from collections.abc import Generator
@@ -64,7 +65,7 @@ class JobOutput:
         A lone job held back for its await (``Scheduler``: inline) is enqueued now, by the
         loop thread, so its outputs exist as soon as ``submit`` returns."""
         job = self.job
-        if job._parked and job.lane._core.waker.on_loop():
+        if job._parked and job.lane._core.waker.on_loop() and not reentered():
             job.lane._core.start_parked()
         results = job.results
         if results is None:
@@ -201,7 +202,7 @@ class Job:
     def span(self) -> tuple[float, float] | None:
         """The job's device start and end, in seconds after the scheduler's reference event
         (timing events; None without ``timing``, or until the job has finished)."""
-        if self._span_unread:
+        if self._span_unread and not reentered():
             self.lane.read_spans()
         return self._span
 
@@ -218,21 +219,27 @@ class Job:
     def state(self) -> str:
         """``queued`` (waiting for its lane), ``running`` (enqueued on the device), ``done``,
         ``failed`` or ``cancelled`` (never ran: the scheduler left on an error)."""
-        self.lane.observe(self)  # settled here if the device has finished it
+        self._observe()
         if self._finished:
             return self._state
         return RUNNING if self._is_published and self._enqueue_error is None else QUEUED
+
+    def _observe(self) -> None:
+        """Let the lane settle this job if the device has finished it (``Lane.observe``),
+        unless called from inside the scheduler (a raw signal handler): then only read."""
+        if not reentered():
+            self.lane.observe(self)
 
     def done(self) -> bool:
         """True once the job has finished, whatever the outcome (never blocks). Agrees with the
         device: a job the device has finished is done even if its completion has not reached
         the loop yet."""
-        self.lane.observe(self)
+        self._observe()
         return self._finished
 
     def exception(self) -> BaseException | None:
         """The error of a finished job, or None (raises ``InvalidState`` while it runs)."""
-        self.lane.observe(self)
+        self._observe()
         if not self._finished:
             raise InvalidState(f"{self!r} has not finished; await it first")
         self._retrieved = True

@@ -111,7 +111,9 @@ class Lane:
         self._core = core
         self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._completions: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
-        self._lock = threading.Lock()
+        # Re-entrant: a raw signal handler may land on the loop thread while it holds this
+        # lock, and look at the lane (statistics(), a repr): see _reentry.
+        self._lock = threading.RLock()
         self._queued = self._in_flight = self._completed = 0
         self._handed = 0  # jobs given to the waiter thread and not yet settled by it
         self._queued_calls = 0  # driver calls of the jobs in flight (see HOLD_GIL_BELOW)
@@ -120,9 +122,8 @@ class Lane:
         self._events: list[Event] = []  # start timing events to reuse (taken by the lane thread)
         # Timed jobs settled whose spans are not read yet (read_spans), and the lock held while
         # they are taken and read, so an observer never sees a job half read.
-        # Taken after _lock, never before it. Re-entrant, for a signal handler that reads
-        # job.span while the loop reads spans (a raw signal handler calling into the scheduler
-        # is not supported in general: README, known gaps).
+        # Taken after _lock, never before it. Re-entrant, as _lock is: a signal handler may
+        # read statistics() while the loop reads spans (_reentry).
         self._unread: list[_Unread] = []
         self._span_lock = threading.RLock()
         self._read_scheduled = False  # the loop has a read_spans queued (call_soon)

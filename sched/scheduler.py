@@ -58,6 +58,7 @@ from anyio.lowlevel import checkpoint, checkpoint_if_cancelled
 from streamlane.runtime import CallerStream, Device, Event, Method, Result, Stream, get_device
 from streamlane.runtime.errors import InvalidArgument, InvalidState, NotSupported, StreamClosed
 from streamlane.runtime.stream import foreign_stream_handle
+from streamlane.sched._reentry import reentered
 
 from ._wakeup import LoopWaker
 from .errors import ClosedStreamGiven, SchedulerBroken, SchedulerClosed, TimingStallWarning
@@ -881,19 +882,18 @@ class Scheduler:
     @property
     def pending(self) -> int:
         """Jobs submitted and not yet finished."""
-        self._release_loop_job()
+        if not reentered():  # see _bring_up_to_date
+            self._release_loop_job()
         return len(self._pending)
 
     def statistics(self) -> tuple[LaneStatistics, ...]:
         """A frozen snapshot of every lane's counters."""
-        self._release_loop_job()
-        self._read_spans()  # busy time counts every job settled so far
+        self._bring_up_to_date()  # busy time counts every job settled so far
         return tuple(lane.statistics() for lane in self.lanes)
 
     def timeline(self) -> Timeline:
         """The device spans of the recent jobs (up to ``timeline_size``), as a ``Timeline``."""
-        self._release_loop_job()
-        self._read_spans()
+        self._bring_up_to_date()
         spans = list(self._spans)
         if len(spans) > self._timeline_size:  # recorded nearly in submit order: a quick sort
             spans.sort(key=_JOB_ID)
@@ -902,8 +902,18 @@ class Scheduler:
 
     def clear_timeline(self) -> None:
         """Forget the spans recorded so far (to measure one phase of a longer run)."""
-        self._read_spans()  # those of jobs settled before now, not into the next phase
+        if not reentered():
+            self._read_spans()  # those of jobs settled before now, not into the next phase
         self._spans.clear()
+
+    def _bring_up_to_date(self) -> None:
+        """Before an observer reads: settle (or hand to the waiter) the lone job the loop kept,
+        and read the spans of the jobs settled so far. Not when called from inside the
+        scheduler (a raw signal handler landing in it): the interrupted frame may be changing
+        that very state, so the observer reads what was settled before (``_reentry``)."""
+        if not reentered():
+            self._release_loop_job()
+            self._read_spans()
 
     def _read_spans(self) -> None:
         for lane in self.lanes:
