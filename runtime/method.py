@@ -318,10 +318,31 @@ class Method:
         device = self.device
         stream = current_stream(device)
         key = stream.key
+        used: list[Buffer] = []  # memory of others this execute touches, and its outputs' (rule 8)
+        pooled: list[PooledBuffer] = []  # the output buffers taken, in output order
+        try:
+            event = self._enqueue(stream, key, start, used, pooled)
+        except BaseException:
+            self._order_after_failure(stream, key, used)
+            raise
+        for buffer in used:
+            buffer.uses[key] = event
+        self._uses[key] = event
+        self.last_event = event
+        self._last_stream_key = key
+        self.executions += 1
+        self._outputs = [Result(p.array, event, key, _Holder(p)) for p in pooled] \
+            if pooled else [Result(view, event, key, view_only=True) for view in self._views]
+
+    def _enqueue(self, stream: Stream, key: Any, start: Event | None, used: list[Buffer],
+                 pooled: list[PooledBuffer]) -> Event:
+        """Enqueue one execute on ``stream``: the handoff, the inputs, the steps; returns the
+        event recorded after them. ``used`` and ``pooled`` fill as it goes, so that a failure
+        partway knows what it touched (``_order_after_failure``)."""
+        device = self.device
         if self.last_event is not None and self._last_stream_key != key:
             stream.wait(self.last_event)  # rule 4: hand the method over in device order
         arrays = self._arrays  # one list, reused: the guard makes this execute the only one
-        used: list[Buffer] = []  # memory of others this execute touches (rule 8)
         for i, value in enumerate(self._inputs):
             if isinstance(value, Result):
                 value.wait_on(stream)
@@ -339,24 +360,31 @@ class Method:
                                                          self._uses)
                 device.copy_from_host(slot, value, stream)
                 arrays[i] = slot
-        pooled = self._take_outputs(stream)
+        if self.clone_outputs:  # for each output, a buffer no live Result holds (OutputPool)
+            for pool in self._pools:
+                taken = pool.take(stream)
+                pooled.append(taken)
+                used.append(taken.array.buffer)
         uses = self._uses  # of our own memory: input slots, internal buffers, views
         if len(uses) > 1 or key not in uses:
+            readers = list(uses.items())  # a consumer on another thread may add to it
             if not pooled:
                 # clone_outputs=False: the outputs are our own buffers, and a consumer on
                 # another stream (or on the stream we last ran on, after us) may still have to
                 # read the last ones (rule 8): wait for every stream that used our memory.
-                for other, used_by in uses.items():
+                for other, used_by in readers:
                     if other != key:
                         stream.wait(used_by)
             # Every entry is now ordered before this execute: rule 4's handoff orders our own
             # executes on other streams, the waits above the readers of our views. One entry
-            # per stream ever used would grow without bound (a thread per call).
-            uses.clear()
+            # per stream ever used would grow without bound (a thread per call). A reader
+            # that came since the copy above stays.
+            for other, used_by in readers:
+                if uses.get(other) is used_by:
+                    uses.pop(other, None)
         first = self._n_inputs
         for j, out in enumerate(pooled):
             arrays[first + j] = out.array
-            used.append(out.array.buffer)
         if not pooled:
             for j, view in enumerate(self._views):
                 arrays[first + j] = view
@@ -373,14 +401,27 @@ class Method:
         # live Result's event moves (see PooledBuffer). Several outputs: a new event.
         event = pooled[0].event if len(pooled) == 1 else device.create_event()
         device._record(event, stream._usable())  # stream.record without its re-checks
+        return event
+
+    def _order_after_failure(self, stream: Stream, key: Any, used: list[Buffer]) -> None:
+        """An execute raised partway (an allocation that failed, a user step that raised, a
+        Ctrl-C) after enqueuing part of its work on ``stream``: the handoff, uploads into the
+        input slots, output buffers readied for rewriting (their readers' waits enqueued, the
+        readers forgotten), some steps. Order whatever runs next after that part, as after a
+        whole execute: the method's next execute on another stream (rule 4) and the next
+        writer of the memory it touched (rule 8). Its outputs may be half written: none are
+        given until an execute succeeds."""
+        self._outputs = None
+        try:
+            event = self.device.create_event()
+            self.device._record(event, stream._usable())
+        except BaseException:  # the device itself failed (or a second Ctrl-C): nothing later
+            return  # can be ordered on it; the original error says what happened
         for buffer in used:
             buffer.uses[key] = event
-        uses[key] = event
+        self._uses[key] = event
         self.last_event = event
         self._last_stream_key = key
-        self.executions += 1
-        self._outputs = [Result(p.array, event, key, _Holder(p)) for p in pooled] \
-            if pooled else [Result(view, event, key, view_only=True) for view in self._views]
 
     def get_outputs(self) -> list[Result]:
         """The outputs of the last execute (Results; no copy, no host wait)."""
@@ -414,13 +455,6 @@ class Method:
             self._guard.release()
 
     # -- internals ------------------------------------------------------------------------
-    def _take_outputs(self, stream: Stream) -> list[PooledBuffer]:
-        """For each output, a buffer no live Result holds (see ``OutputPool``). Empty with
-        ``clone_outputs=False``."""
-        if not self.clone_outputs:
-            return []
-        return [pool.take(stream) for pool in self._pools]
-
     def _buffer_maker(self, t: Any) -> Any:
         device, shape, dtype = self.device, t.shape, DTYPES[t.dtype]
 

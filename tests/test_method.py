@@ -12,6 +12,7 @@ from thread_helpers import in_thread
 from streamlane.runtime import CallerStream, Program, Result
 from streamlane.runtime import method as method_module
 from streamlane.runtime.errors import (
+    DeviceError,
     InvalidArgument,
     InvalidInput,
     InvalidState,
@@ -671,3 +672,43 @@ def test_binding_a_long_chain_takes_time_linear_in_its_steps(host):
 
     short, long = bind_s(chain(1000)), bind_s(chain(8000))
     assert long < 30 * short, f"1,000 steps bind in {short:.3f} s, 8,000 in {long:.3f} s"
+
+
+# -- an execute that fails partway ------------------------------------------------------------
+
+def _fail_pool_growth(monkeypatch):
+    """The next growth of an output pool fails as a full device does (the allocation raises)."""
+    from streamlane.runtime.result import OutputPool
+
+    def grow(self, stream):
+        raise DeviceError("injected: out of memory", "CUDA_ERROR_OUT_OF_MEMORY")
+
+    monkeypatch.setattr(OutputPool, "_grow", grow)
+
+
+def test_an_execute_that_failed_partway_still_hands_over_in_device_order(device, monkeypatch):
+    """An execute that raised after enqueuing part of its work (its input's upload; then its
+    output pool could not grow) left the method's last event at the execute before it: the
+    next execute on another stream did not wait for the upload, which, held back on its stream,
+    could land in the input slot after the next execute's own upload (rule 4)."""
+    p = mlp()
+    m = p.method("forward", device=device)
+    x1, x2 = x_for(p), x_for(p)
+    held = [m([x1])[0] for _ in range(2)]  # both output buffers held: the next execute grows
+    with device.create_latch() as latch, device.create_stream() as s1, \
+            device.create_stream() as s2:
+        latch.hold(s1)
+        _fail_pool_growth(monkeypatch)
+        with CallerStream(s1), pytest.raises(DeviceError, match="out of memory"):
+            m([x1])
+        monkeypatch.undo()
+        with pytest.raises(InvalidState):  # its outputs may be half written: none are given
+            m.get_outputs()
+        with CallerStream(s2):
+            r = m([x2])[0]
+        time.sleep(0.05)
+        assert not r.ready(), "the next execute ran before the failed one's upload"
+        latch.release()
+        with CallerStream(s2):
+            check(p, [x2], [r])
+    check(p, [x1], held[:1])

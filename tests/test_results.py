@@ -449,3 +449,88 @@ def test_freeing_a_result_waits_for_readers_on_other_streams(cuda_device):
         latch.release()
         with CallerStream(other):
             np.testing.assert_array_equal(c.to_host(), 3 * x)
+
+
+def test_an_execute_that_failed_partway_keeps_an_output_buffers_readers(device, monkeypatch):
+    """An execute readied output 0's free buffer for rewriting (its stream waits for the
+    buffer's reader, a consumer held on another stream, and the buffer forgets that reader),
+    then failed: output 1's pool could not grow. The next execute, from another stream, took
+    the same buffer, found no reader and overwrote it before the consumer read it (rule 8)."""
+    from streamlane.runtime.errors import DeviceError
+    from streamlane.runtime.result import OutputPool
+
+    b = Program.build("two")
+    mb = b.method("forward", x=("float32", [64, 64]))
+    mb.output(mb.step("scale", "x", out="y0", factor=2.0), mb.step("copy", "x", out="y1"))
+    m = b.finish().method("forward", device=device)
+    consumer = scaler(factor=3.0).method("forward", device=device)
+    x1, x2 = rand(), rand()
+    with device.create_latch() as latch, device.create_stream() as held, \
+            device.create_stream() as s1, device.create_stream() as s2:
+        first, kept = m([x1])  # kept holds output 1's only buffer: the next execute grows it
+        latch.hold(held)
+        with CallerStream(held):
+            read = consumer([first])[0]  # reads output 0's buffer once the latch lets go
+        consumer.set_inputs([rand()])  # the consumer lets go of it; so do we:
+        del first  # output 0's buffer is free, with one reader still to come
+
+        def grow(self, stream):
+            raise DeviceError("injected: out of memory", "CUDA_ERROR_OUT_OF_MEMORY")
+
+        monkeypatch.setattr(OutputPool, "_grow", grow)
+        with CallerStream(s1), pytest.raises(DeviceError):
+            m([x2])
+        monkeypatch.undo()
+        with CallerStream(s2):
+            again = m([x2])[0]  # output 0's buffer again
+        time.sleep(0.05)
+        assert not again.ready(), "the next execute rewrote the buffer before its reader ran"
+        latch.release()
+        with CallerStream(held):
+            np.testing.assert_allclose(read.to_host(), 6 * x1, rtol=1e-6)
+        with CallerStream(s2):
+            np.testing.assert_allclose(again.to_host(), 2 * x2, rtol=1e-6)
+    np.testing.assert_array_equal(kept.to_host(), x1)
+
+
+def test_a_views_reader_added_while_the_producer_waits_for_the_others_is_kept(host):
+    """clone_outputs=False: the producer's execute waits for every stream that read its views,
+    while a consumer on another thread may be adding its own read of a view to the same record.
+    That raised ``RuntimeError: dictionary changed size during iteration`` from execute(), and
+    the record was then cleared, dropping the new reader. Made deterministic: the consumer's
+    execute runs at the producer's first wait (sys.settrace), as another thread's would."""
+    import inspect
+    import sys
+
+    from streamlane.runtime import method as method_module
+
+    m = scaler().method("forward", device=host, clone_outputs=False)
+    consumer = scaler(factor=3.0).method("forward", device=host)
+    x1, x2 = rand(), rand()
+    lines = inspect.getsourcelines(method_module)[0]
+    target = next(i for i, text in enumerate(lines, 1) if "stream.wait(used_by)" in text)
+    with host.create_stream() as a, host.create_stream() as b, host.create_stream() as late:
+        with CallerStream(a):
+            view = m([x1])[0]
+        with CallerStream(b):
+            consumer([view])  # a reader of the view on b: the next execute waits for it
+        fired = []
+
+        def local(frame, event, arg):
+            if event == "line" and frame.f_lineno == target and not fired:
+                fired.append(True)
+                with CallerStream(late):
+                    box.append(consumer([view])[0])  # a read of the old view, added now
+            return local
+
+        def tracer(frame, event, arg):
+            return local if frame.f_code.co_filename == method_module.__file__ else None
+
+        box = []
+        sys.settrace(tracer)
+        try:
+            again = m([x2])[0]
+        finally:
+            sys.settrace(None)
+        assert fired and late.key in m._uses, "the reader that came meanwhile was dropped"
+        np.testing.assert_allclose(again.to_host(), 2 * x2, rtol=1e-6)
