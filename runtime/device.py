@@ -19,6 +19,7 @@ import numpy as np
 
 from streamlane.kernels import KernelSpec, KernelSpecError, LaunchConfig, UnknownKernel, get_kernel
 
+from .dtypes import as_host_array
 from .errors import InvalidArgument
 from .event import Event
 from .memory import Buffer, DeviceArray
@@ -191,7 +192,7 @@ class Device(ABC):
         """Enqueue a copy of host ``src`` into ``dst`` (same dtype and shape). ``src`` may be
         changed as soon as this returns."""
         self._check_array(dst, "dst")
-        src = np.asarray(src)
+        src = as_host_array(src, "copy_from_host")
         if src.dtype != dst.dtype or src.shape != dst.shape:
             raise InvalidArgument(f"copy_from_host: source {src.dtype}{list(src.shape)} does not "
                                   f"match destination {dst.dtype}{list(dst.shape)}")
@@ -218,11 +219,7 @@ class Device(ABC):
     def to_device(self, array: Any, stream: Stream) -> DeviceArray:
         """A new device array holding a copy of host ``array``, enqueued on ``stream``."""
         self._stream_impl(stream, "to_device")
-        try:
-            array = np.asarray(array, order="C")
-        except (TypeError, ValueError) as exc:  # ragged lists, objects numpy cannot convert
-            raise InvalidArgument(f"to_device: {type(array).__name__} is not array-like: "
-                                  f"{exc}") from None
+        array = as_host_array(array, "to_device", order="C")
         dst = self.empty(array.shape, array.dtype, stream)
         self.copy_from_host(dst, array, stream)
         return dst

@@ -7,7 +7,7 @@ import numpy as np
 
 from .errors import InvalidArgument
 
-__all__ = ["DTYPES", "dtype_from_name", "dtype_name"]
+__all__ = ["DTYPES", "as_host_array", "dtype_from_name", "dtype_name"]
 
 DTYPES: dict[str, np.dtype] = {
     "float32": np.dtype(np.float32),
@@ -37,3 +37,16 @@ def dtype_name(dtype: np.dtype) -> str:
     if name is None:
         raise InvalidArgument(f"dtype {dtype} is not supported; supported: {', '.join(DTYPES)}")
     return name
+
+
+def as_host_array(value: object, what: str, order: str | None = None) -> np.ndarray:
+    """``np.asarray(value, order=order)``, with what numpy cannot read (a ragged sequence, an
+    ``__array__`` that raises) reported as ``InvalidArgument`` naming ``what``. Running out of
+    memory stays a ``MemoryError``."""
+    try:
+        return np.asarray(value, order=order)
+    except MemoryError:
+        raise
+    except Exception as exc:
+        raise InvalidArgument(f"{what}: {type(value).__name__} is not array-like: "
+                              f"{exc}") from exc

@@ -25,7 +25,7 @@ from numpy.lib import format as npy_format
 from streamlane.kernels import KernelSpec, KernelSpecError, UnknownKernel, get_kernel
 from streamlane.kernels.spec import member_path
 
-from .dtypes import DTYPES, dtype_name
+from .dtypes import DTYPES, as_host_array, dtype_name
 from .errors import InvalidArgument, InvalidProgram, NotSupported
 
 if TYPE_CHECKING:
@@ -273,12 +273,13 @@ class ProgramBuilder:
             raise InvalidArgument(f"Program.build({name!r}): constants must be a mapping of "
                                   f"name to array, got {type(constants).__name__}")
         self.name = name
-        self._constants = {k: np.asarray(v) for k, v in (constants or {}).items()}
+        self._constants = {k: as_host_array(v, f"constant {k!r}")
+                           for k, v in (constants or {}).items()}
         self._methods: dict[str, MethodBuilder] = {}
         self._callables: dict[str, StepFn] = {}
 
     def constant(self, name: str, value: Any) -> str:
-        self._constants[name] = np.asarray(value)
+        self._constants[name] = as_host_array(value, f"constant {name!r}")
         return name
 
     def method(self, name: str, **inputs: tuple[str, Sequence[int]]) -> MethodBuilder:

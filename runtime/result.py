@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .dtypes import dtype_name
+from .dtypes import as_host_array, dtype_name
 from .errors import InvalidArgument
 from .memory import DeviceArray
 from .stream import Stream, current_stream
@@ -265,7 +265,7 @@ class Result:
             device = get_device(device)
         if isinstance(array, Result):
             array = array.to_host()
-        host = np.asarray(array, order="C")
+        host = as_host_array(array, "from_host", order="C")
         if host.dtype.hasobject:
             raise InvalidArgument(f"from_host: object arrays cannot go to a device ({host.dtype})")
         dtype_name(host.dtype)  # raises InvalidArgument for an unsupported dtype

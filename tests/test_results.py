@@ -347,6 +347,32 @@ def test_from_host_rejects_unsupported_dtypes(device):
         Result.from_host(np.zeros(3, np.complex64), device)
 
 
+class _ArrayRaises:
+    def __array__(self, *args, **kwargs):
+        raise ValueError("cannot be read")
+
+
+@pytest.mark.parametrize("value", [[[1.0], [1.0, 2.0]], ((1.0,), (1.0, 2.0)), _ArrayRaises()],
+                         ids=["ragged list", "ragged tuple", "__array__ raises"])
+def test_what_numpy_cannot_read_is_an_invalid_argument_everywhere_it_is_taken(device, value):
+    """A ragged sequence or an ``__array__`` that raises gave numpy's ValueError from
+    ``Result.from_host``, ``copy_from_host`` and a program's constants (``to_device`` alone
+    mapped it)."""
+    stream = device.per_thread_stream()
+    calls = {
+        "from_host": lambda: Result.from_host(value, device),
+        "to_device": lambda: device.to_device(value, stream),
+        "copy_from_host": lambda: device.copy_from_host(device.empty((2,), np.float32, stream),
+                                                        value, stream),
+        "constants": lambda: Program.build("p", constants={"w": value}),
+        "constant": lambda: Program.build("p").constant("w", value),
+    }
+    for name, call in calls.items():
+        with pytest.raises(InvalidArgument, match="not array-like"):
+            call()
+            pytest.fail(f"{name} accepted it")
+
+
 def test_host_dlpack_is_zero_copy_and_pins_the_buffer(host):
     m = scaler().method("forward", device=host)
     x = rand()
