@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -60,6 +61,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _demo(args)
     except KeyboardInterrupt:  # the schedulers have already waited for the device's work
         return _fail("interrupted", 130)
+    except OSError as exc:
+        if exc.filename is not None:  # not standard output: the demo's files are reported
+            raise  # as they fail, so this is unexpected
+        # Standard output could not be written (a full disk, a closed pipe). Later writes,
+        # Python's own flush at exit included, go nowhere instead of failing again.
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):  # not a file descriptor (embedded use)
+            pass
+        if isinstance(exc, BrokenPipeError):  # its reader left (`| head`): nothing to report
+            return 1
+        return _fail(f"cannot write to standard output: {exc.strerror or exc}", 1)
 
 
 def _fail(message: str, code: int) -> int:

@@ -200,3 +200,26 @@ def test_the_package_names_load_on_first_use():
     err = subprocess.run([sys.executable, "-c", "import streamlane.sched as s; s.Schedular"],
                          capture_output=True, text=True).stderr
     assert "AttributeError: module 'streamlane.sched' has no attribute 'Schedular'" in err, err
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+def test_a_standard_output_that_cannot_be_written_is_one_line_on_stderr(tmp_path):
+    """``streamlane demo > /dev/full`` ended in a 20-line traceback from inside rich."""
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, "-m", "streamlane.sched", "demo", "--device",
+                               "host", "--requests", "1", "--out", str(tmp_path)],
+                              stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "streamlane demo: cannot write to standard output: No space left on device"], proc.stderr
+
+
+def test_a_reader_that_leaves_early_ends_the_demo_quietly(tmp_path):
+    """``streamlane demo | head -1``: the pipe closes under the demo; no traceback."""
+    proc = subprocess.Popen([sys.executable, "-m", "streamlane.sched", "demo", "--device", "host",
+                             "--requests", "1", "--out", str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.readline()
+    proc.stdout.close()  # as `head -1` does
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode in (0, 1) and b"Traceback" not in err and b"Exception" not in err, err
