@@ -901,9 +901,10 @@ class Scheduler:
         return Timeline(spans, self.device.name)
 
     def clear_timeline(self) -> None:
-        """Forget the spans recorded so far (to measure one phase of a longer run)."""
-        if not reentered():
-            self._read_spans()  # those of jobs settled before now, not into the next phase
+        """Forget the spans recorded so far (to measure one phase of a longer run): those of
+        every job the device has finished. A job still running is recorded when it ends, in
+        the next phase."""
+        self._bring_up_to_date()  # jobs finished before now, not into the next phase
         self._spans.clear()
 
     def _bring_up_to_date(self) -> None:

@@ -40,9 +40,21 @@ class Span:
 class Timeline:
     """An immutable snapshot of spans (``Scheduler.timeline()``)."""
 
+    __slots__ = ("_device", "_spans")
+
     def __init__(self, spans: Iterable[Span], device: str = ""):
-        self.spans: tuple[Span, ...] = tuple(sorted(spans, key=lambda s: (s.start_s, s.job)))
-        self.device = device
+        self._spans: tuple[Span, ...] = tuple(sorted(spans, key=lambda s: (s.start_s, s.job)))
+        self._device = device
+
+    @property
+    def spans(self) -> tuple[Span, ...]:
+        """The spans, by start."""
+        return self._spans
+
+    @property
+    def device(self) -> str:
+        """The name of the device they ran on."""
+        return self._device
 
     def __len__(self) -> int:
         return len(self.spans)

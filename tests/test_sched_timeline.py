@@ -173,6 +173,17 @@ def test_statistics_are_frozen_dataclasses():
         stats.queued = 4  # type: ignore[misc]
 
 
+def test_a_timeline_is_an_immutable_snapshot():
+    """Its docstring says so; its spans and device could be reassigned."""
+    t = Timeline([Span(0, "a", 0, "lane 0", 0.0, 1.0)], "host:0")
+    for name, value in (("spans", ()), ("device", "other"), ("extra", 1)):
+        with pytest.raises(AttributeError):
+            setattr(t, name, value)
+    assert len(t.spans) == 1 and t.device == "host:0"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        t.spans[0].end_s = 2.0  # type: ignore[misc]
+
+
 def test_overlap_is_the_sum_of_durations_over_their_union():
     spans = [Span(0, "a", 0, "lane 0", 0.0, 1.0), Span(1, "b", 1, "lane 1", 0.5, 1.5),
              Span(2, "a", 0, "lane 0", 3.0, 4.0)]
@@ -217,6 +228,31 @@ async def test_a_span_starts_after_the_jobs_device_waits(device):
             timeline = sched.timeline()
     assert second.span[0] >= first.span[1] - 1e-4, (first.span, second.span)
     assert timeline.overlap() < 1.1
+
+
+@pytest.mark.anyio
+async def test_clear_timeline_forgets_a_finished_job_the_loop_still_kept(device):
+    """A lone caller-stream job is enqueued by the loop, which keeps it for its await. Done on
+    the device but never awaited, it was not forgotten by clear_timeline() (timeline() settles
+    it, clear_timeline() did not): it showed up in the next phase's timeline and overlap."""
+    early = spin_program(1000, "early").method("forward", device=device)
+    spins = [spin_program(50_000, f"spin{i}").method("forward", device=device) for i in "ab"]
+    x = Result.from_host(data(0), device)
+    streams = [device.create_stream() for _ in range(3)]
+    with anyio.fail_after(30):
+        async with Scheduler(device, lanes=1) as sched:
+            job = await sched.submit(early, [x], stream=streams[0])  # the loop's, kept
+            await anyio.sleep(0.2)  # it has long finished on the device
+            assert sched._loop_job is job  # the case under test (not settled yet)
+            sched.clear_timeline()
+            phase = [await sched.submit(m, [x], stream=s)
+                     for m, s in zip(spins, streams[1:], strict=True)]
+            for j in phase:
+                await j
+            await job
+            names = [span.name for span in sched.timeline()]
+    assert names == ["spina.forward", "spinb.forward"] or \
+        names == ["spinb.forward", "spina.forward"], names
 
 
 @pytest.mark.parametrize("bad", [None, 5, ["trace.json"]])
