@@ -254,6 +254,13 @@ class Result:
         self._complete = True
         return out
 
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        """Refused: numpy would otherwise wrap the Result in a 0-d object array, silently. A
+        Result is device memory; reading it is a host wait, which streamlane makes explicit."""
+        raise InvalidArgument(f"{self!r} is device memory: read it with result.to_host() (one "
+                              f"host wait), or share it zero-copy with np.from_dlpack(result) "
+                              f"(host device) or torch / CuPy (CUDA)")
+
     @classmethod
     def from_host(cls, array: Any, device: Device | str | None = None) -> Result:
         """Upload ``array`` (numpy, anything numpy can read, or a Result) to ``device``, keeping

@@ -560,3 +560,12 @@ def test_a_views_reader_added_while_the_producer_waits_for_the_others_is_kept(ho
             sys.settrace(None)
         assert fired and late.key in m._uses, "the reader that came meanwhile was dropped"
         np.testing.assert_allclose(again.to_host(), 2 * x2, rtol=1e-6)
+
+
+def test_numpy_does_not_silently_wrap_a_result_in_an_object_array(device):
+    """``np.asarray(result)`` gave a 0-d object array holding the Result: no error, no data."""
+    r = Result.from_host(np.arange(4, dtype=np.float32), device)
+    for convert in (np.asarray, np.array):
+        with pytest.raises(InvalidArgument, match="to_host"):
+            convert(r)
+    np.testing.assert_array_equal(r.to_host(), np.arange(4))
