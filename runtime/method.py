@@ -325,11 +325,7 @@ class Method:
         except BaseException:
             self._order_after_failure(stream, key, used)
             raise
-        for buffer in used:
-            buffer.uses[key] = event
-        self._uses[key] = event
-        self.last_event = event
-        self._last_stream_key = key
+        self._note(key, event, used)
         self.executions += 1
         self._outputs = [Result(p.array, event, key, _Holder(p)) for p in pooled] \
             if pooled else [Result(view, event, key, view_only=True) for view in self._views]
@@ -417,6 +413,12 @@ class Method:
             self.device._record(event, stream._usable())
         except BaseException:  # the device itself failed (or a second Ctrl-C): nothing later
             return  # can be ordered on it; the original error says what happened
+        self._note(key, event, used)
+
+    def _note(self, key: Any, event: Event, used: list[Buffer]) -> None:
+        """``event`` marks the end of this execute's work on stream ``key``: the memory it
+        touched is in use there until then (rule 8), and the method's next execute on another
+        stream waits for it (rule 4)."""
         for buffer in used:
             buffer.uses[key] = event
         self._uses[key] = event
