@@ -12,47 +12,33 @@ The test is the call stack: below the observer's own frames, a frame of streamla
 kernels or scheduler code means the observer was called from inside it. A signal handler's
 frame sits directly on the frame it interrupted; the same holds for user code that streamlane
 calls on the loop thread (a ``__cuda_stream__`` property, a warnings hook), which gets the
-same read-only view. ``demo`` and ``cli`` are users of the scheduler, not part of it.
+same read-only view. Frames are known by their module's name, not their file, so that any
+layout works (a zip, compiled files only, a path with ``..``). ``demo`` and ``cli`` are users
+of the scheduler, not part of it.
 """
 
 from __future__ import annotations
 
-import os
 import sys
+from types import FrameType
 
-_OUTSIDE = {"cli.py", "demo.py", "__main__.py"}
-
-
-def _package_files() -> frozenset[str]:
-    here = os.path.dirname(os.path.abspath(__file__))
-    import streamlane.kernels
-    import streamlane.runtime
-
-    folders = [here, os.path.dirname(os.path.abspath(streamlane.runtime.__file__)),
-               os.path.dirname(os.path.abspath(streamlane.kernels.__file__))]
-    files = set()
-    for folder in folders:
-        for name in os.listdir(folder):
-            if name.endswith(".py") and not (folder == here and name in _OUTSIDE):
-                files.add(os.path.join(folder, name))
-    return frozenset(files)
+_INSIDE = ("streamlane.runtime", "streamlane.kernels", "streamlane.sched")
+_OUTSIDE = frozenset({"streamlane.sched.cli", "streamlane.sched.demo"})
 
 
-_FILES: frozenset[str] | None = None
+def _streamlane(frame: FrameType) -> bool:
+    name = frame.f_globals.get("__name__")
+    return isinstance(name, str) and name.startswith(_INSIDE) and name not in _OUTSIDE
 
 
 def reentered() -> bool:
     """True if streamlane code is on the calling thread's stack below the caller's own
     streamlane frames (see the module's docstring)."""
-    global _FILES
-    files = _FILES
-    if files is None:
-        files = _FILES = _package_files()
-    frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename in files:  # the observer's own frames
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and _streamlane(frame):  # the observer's own frames
         frame = frame.f_back
     while frame is not None:
-        if frame.f_code.co_filename in files:
+        if _streamlane(frame):
             return True
         frame = frame.f_back
     return False

@@ -696,13 +696,13 @@ def tracer(frame, event, arg):
         return local
     return None
 
-async def main():  # where the observer lands first depends on timing: three schedulers
+async def main():  # where the observer lands first depends on timing: four schedulers
     jobs = completed = in_flight = 0
-    for _ in range(3):
+    for _ in range(4):
         lines.clear()
         j, c, f = await one()
         jobs, completed, in_flight = jobs + j, completed + c, in_flight + f
-    print("JOBS", jobs, "COMPLETED", completed, "IN FLIGHT", in_flight, "FIRED", fired[0] > 300)
+    print("JOBS", jobs, "COMPLETED", completed, "IN FLIGHT", in_flight, "FIRED", fired[0] > 400)
 
 async def one():
     async with Scheduler(dev, lanes=2, timeline_size=64) as sched:
@@ -737,4 +737,46 @@ def test_a_handler_landing_anywhere_in_the_scheduler_only_reads(backend):
     counted completed once."""
     out = _run(OBSERVER_EVERYWHERE, backend, HERE)
     assert out.returncode == 0, out
-    assert "JOBS 120 COMPLETED 120 IN FLIGHT 0 FIRED True" in out.stdout, out
+    assert "JOBS 160 COMPLETED 160 IN FLIGHT 0 FIRED True" in out.stdout, out
+
+
+def _package_copy(root):
+    """streamlane's three packages copied under ``root/streamlane`` (sources and data)."""
+    import shutil
+
+    import streamlane.kernels
+    import streamlane.runtime
+    import streamlane.sched
+
+    for module in (streamlane.runtime, streamlane.kernels, streamlane.sched):
+        source = os.path.dirname(module.__file__)
+        shutil.copytree(source, os.path.join(root, "streamlane", module.__name__.split(".")[1]),
+                        ignore=shutil.ignore_patterns("__pycache__"))
+
+
+@pytest.mark.parametrize("layout", ["zip", "a path with .."])
+def test_the_observers_know_streamlane_frames_whatever_the_install_layout(tmp_path, layout):
+    """The observers first knew streamlane's frames by file, listing the package folders: under
+    a zip import every observer raised NotADirectoryError, and with a sys.path entry holding
+    `..` (or compiled files only) no frame matched, so a handler landing inside the scheduler
+    counted a job twice again. Frames are now known by their module's name."""
+    import zipfile
+
+    _package_copy(tmp_path / "copy")
+    if layout == "zip":
+        entry = tmp_path / "streamlane.zip"
+        with zipfile.ZipFile(entry, "w") as archive:
+            for path in sorted((tmp_path / "copy").rglob("*")):  # folders too: zipimport
+                archive.write(path, path.relative_to(tmp_path / "copy"))  # needs their entries
+    else:
+        (tmp_path / "elsewhere").mkdir()
+        entry = tmp_path / "elsewhere" / ".." / "copy"
+    # Put first on sys.path by the script itself: at startup Python would normalize the `..`.
+    script = "import sys\nsys.path.insert(0, sys.argv[3])\n" + OBSERVER_EVERYWHERE.replace(
+        'faulthandler.dump_traceback_later(30, exit=True)',
+        'faulthandler.dump_traceback_later(30, exit=True)\n'
+        'print("FROM", streamlane.sched.__file__)')
+    out = _run(script, "asyncio", HERE, str(entry))
+    assert out.returncode == 0, out
+    assert f"FROM {entry}" in out.stdout, out  # the copy, not the checkout
+    assert "JOBS 160 COMPLETED 160 IN FLIGHT 0 FIRED True" in out.stdout, out
