@@ -111,9 +111,7 @@ class Lane:
         self._core = core
         self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._completions: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
-        # Re-entrant: a raw signal handler may land on the loop thread while it holds this
-        # lock, and look at the lane (statistics(), a repr): see _reentry.
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()
         self._queued = self._in_flight = self._completed = 0
         self._handed = 0  # jobs given to the waiter thread and not yet settled by it
         self._queued_calls = 0  # driver calls of the jobs in flight (see HOLD_GIL_BELOW)
@@ -122,8 +120,8 @@ class Lane:
         self._events: list[Event] = []  # start timing events to reuse (taken by the lane thread)
         # Timed jobs settled whose spans are not read yet (read_spans), and the lock held while
         # they are taken and read, so an observer never sees a job half read.
-        # Taken after _lock, never before it. Re-entrant, as _lock is: a signal handler may
-        # read statistics() while the loop reads spans (_reentry).
+        # Taken after _lock, never before it. Re-entrant: read_spans takes the pending notes
+        # before reading them, so a nested read on the same thread finds none.
         self._unread: list[_Unread] = []
         self._span_lock = threading.RLock()
         self._read_scheduled = False  # the loop has a read_spans queued (call_soon)
@@ -349,7 +347,14 @@ class Lane:
                 if thread.ident is not None:
                     thread.join()
 
-    def statistics(self) -> LaneStatistics:
+    def statistics(self, locked: bool = True) -> LaneStatistics:
+        """The lane's counters, read under its locks (one consistent snapshot); without
+        ``locked``, read as they stand: for an observer called from inside the scheduler (a
+        raw signal handler, ``_reentry``), which must not wait for a lock. Its thread may
+        hold one of them, and the lane's other threads the other, waiting for it."""
+        if not locked:
+            return LaneStatistics(self.index, self._queued, self._in_flight, self._completed,
+                                  self._busy_s)
         with self._lock:
             counts = self._queued, self._in_flight, self._completed
         with self._span_lock:
@@ -357,8 +362,8 @@ class Lane:
         return LaneStatistics(self.index, *counts, busy)
 
     def __repr__(self) -> str:
-        with self._lock:
-            queued, in_flight = self._queued, self._in_flight
+        queued, in_flight = self._queued, self._in_flight  # no lock: a repr may come from
+        # anywhere (a message, a signal handler inside the scheduler: _reentry)
         state = f"{queued} queued"
         if in_flight:
             state += f", {in_flight} in flight"

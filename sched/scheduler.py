@@ -888,8 +888,8 @@ class Scheduler:
 
     def statistics(self) -> tuple[LaneStatistics, ...]:
         """A frozen snapshot of every lane's counters."""
-        self._bring_up_to_date()  # busy time counts every job settled so far
-        return tuple(lane.statistics() for lane in self.lanes)
+        fresh = self._bring_up_to_date()  # busy time counts every job settled so far
+        return tuple(lane.statistics(locked=fresh) for lane in self.lanes)
 
     def timeline(self) -> Timeline:
         """The device spans of the recent jobs (up to ``timeline_size``), as a ``Timeline``."""
@@ -907,14 +907,17 @@ class Scheduler:
         self._bring_up_to_date()  # jobs finished before now, not into the next phase
         self._spans.clear()
 
-    def _bring_up_to_date(self) -> None:
+    def _bring_up_to_date(self) -> bool:
         """Before an observer reads: settle (or hand to the waiter) the lone job the loop kept,
         and read the spans of the jobs settled so far. Not when called from inside the
         scheduler (a raw signal handler landing in it): the interrupted frame may be changing
-        that very state, so the observer reads what was settled before (``_reentry``)."""
-        if not reentered():
-            self._release_loop_job()
-            self._read_spans()
+        that very state, or hold a lock, so the observer reads what was settled before, taking
+        no lock (``_reentry``). Returns whether it brought the scheduler up to date."""
+        if reentered():
+            return False
+        self._release_loop_job()
+        self._read_spans()
+        return True
 
     def _read_spans(self) -> None:
         for lane in self.lanes:

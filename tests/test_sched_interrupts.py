@@ -780,3 +780,71 @@ def test_the_observers_know_streamlane_frames_whatever_the_install_layout(tmp_pa
     assert out.returncode == 0, out
     assert f"FROM {entry}" in out.stdout, out  # the copy, not the checkout
     assert "JOBS 160 COMPLETED 160 IN FLIGHT 0 FIRED True" in out.stdout, out
+
+
+# A handler landing while the loop reads spans (it holds a lane's span lock) at a moment when
+# the lane's waiter settles a job (it holds the lane's lock and waits for the span lock): an
+# observer taking the lane's lock waited for the waiter, which waited for the loop.
+HANDLER_IN_SPAN_READ = r"""
+import faulthandler, linecache, signal, sys, threading, time
+import anyio
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+from sched_helpers import data, double_program, spin_program
+from streamlane.runtime import Result, get_device
+from streamlane.sched import Scheduler
+import streamlane.sched.lane as lane_module
+
+faulthandler.dump_traceback_later(20, exit=True)  # a hang ends the run with every stack
+dev = get_device("host")
+quick = double_program("quick").method("forward", device=dev)
+slow = spin_program(30_000, "slow").method("forward", device=dev)
+live, armed = {}, [False]
+settle = lane_module.Lane._settle.__code__.co_firstlineno
+settle_waits = next(i for i, t in enumerate(linecache.getlines(lane_module.__file__), 1)
+                    if "with self._span_lock:" in t and i > settle)
+
+def handler(signum, frame):
+    print("HANDLER", live["sched"].statistics()[0].completed, flush=True)
+
+def local(frame, event, arg):
+    if event == "line" and armed[0] and frame.f_code.co_name == "_read":
+        armed[0] = False
+        waiter = live["sched"].lanes[0].waiter
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:  # the waiter settles the slow job meanwhile
+            f = sys._current_frames().get(waiter.ident)
+            if f is not None and f.f_code.co_name == "_settle" and f.f_lineno == settle_waits:
+                print("WAITER WAITS FOR THE SPAN LOCK", flush=True)
+                break
+            time.sleep(0.001)
+        signal.raise_signal(signal.SIGUSR1)  # the signal lands here, inside Lane._read
+    return local
+
+def tracer(frame, event, arg):
+    return local if frame.f_code.co_filename == lane_module.__file__ else None
+
+async def main():
+    async with Scheduler(dev, lanes=1, poll_us=1e6) as sched:  # the loop polls to the end
+        live["sched"] = sched
+        x = Result.from_host(data(0), dev)
+        await sched.run(quick, [x], stream=dev.create_stream())  # settled by the loop: unread
+        job = await sched.submit(slow, [data(1)])  # through the lane: its waiter settles it
+        armed[0] = True
+        sys.settrace(tracer)
+        try:
+            sched.timeline()  # the loop reads the quick job's span
+        finally:
+            sys.settrace(None)
+        await job
+    print("NO HANG", flush=True)
+
+signal.signal(signal.SIGUSR1, handler)
+anyio.run(main)
+"""
+
+
+def test_a_handler_reading_statistics_inside_a_span_read_takes_no_lock():
+    out = _run(HANDLER_IN_SPAN_READ, HERE)
+    assert "WAITER WAITS FOR THE SPAN LOCK" in out.stdout, out  # the case under test
+    assert "HANDLER" in out.stdout and "NO HANG" in out.stdout, out
