@@ -320,15 +320,15 @@ class Method:
         key = stream.key
         used: list[Buffer] = []  # memory of others this execute touches, and its outputs' (rule 8)
         pooled: list[PooledBuffer] = []  # the output buffers taken, in output order
-        try:
+        try:  # an interrupt (Ctrl-C) may land anywhere up to the end: ordered as a failure
             event = self._enqueue(stream, key, start, used, pooled)
+            self._note(key, event, used)
+            self._outputs = [Result(p.array, event, key, _Holder(p)) for p in pooled] \
+                if pooled else [Result(view, event, key, view_only=True) for view in self._views]
+            self.executions += 1
         except BaseException:
             self._order_after_failure(stream, key, used)
             raise
-        self._note(key, event, used)
-        self.executions += 1
-        self._outputs = [Result(p.array, event, key, _Holder(p)) for p in pooled] \
-            if pooled else [Result(view, event, key, view_only=True) for view in self._views]
 
     def _enqueue(self, stream: Stream, key: Any, start: Event | None, used: list[Buffer],
                  pooled: list[PooledBuffer]) -> Event:

@@ -712,3 +712,66 @@ def test_an_execute_that_failed_partway_still_hands_over_in_device_order(device,
         with CallerStream(s2):
             check(p, [x2], [r])
     check(p, [x1], held[:1])
+
+
+def _lines_of(*functions):
+    import dis
+
+    return [(f.__code__, line) for f in functions
+            for line in sorted({line for _, line in dis.findlinestarts(f.__code__)
+                                if line is not None})]
+
+
+def test_a_ctrl_c_anywhere_in_execute_leaves_the_next_execute_ordered(host):
+    """A Ctrl-C raised at each line of execute in turn (sys.settrace line events: where a
+    signal lands), while that execute's earlier work is held on its stream by a latch. The
+    next execute, on another stream, must still come out right after the latch lets go: it
+    did not when the Ctrl-C landed after the work was enqueued but before its event was noted
+    (its output buffer, taken again, was then rewritten by the held work)."""
+    import sys
+
+    from sched_helpers import Interrupt
+
+    b = Program.build("two", constants={"c": np.full((8, 8), 0.5, np.float32)})
+    mb = b.method("forward", x=("float32", [8, 8]))
+    h = mb.step("add", "x", "c")  # an internal buffer
+    mb.output(mb.step("scale", h, out="y0", factor=2.0), mb.step("relu", h, out="y1"))
+    program = b.finish()
+    x0, x1, x2 = (np.full((8, 8), v, np.float32) for v in (1.0, 2.0, 3.0))
+    hit = []
+    for code, line in _lines_of(method_module.Method._execute, method_module.Method._enqueue):
+        m = program.method("forward", device=host)
+        kept = m([x0])  # both outputs' first buffers held
+        armed = [True]
+
+        def local(frame, event, arg, code=code, line=line, armed=armed):
+            if event == "line" and frame.f_lineno == line and armed[0]:
+                armed[0] = False
+                raise Interrupt
+
+        def tracer(frame, event, arg, code=code, local=local):
+            return local if frame.f_code is code else None
+
+        with host.create_latch() as latch, host.create_stream() as s1, \
+                host.create_stream() as s2:
+            latch.hold(s1)
+            sys.settrace(tracer)
+            try:
+                with CallerStream(s1):
+                    m([x1])
+            except Interrupt:
+                hit.append(line)
+            finally:
+                sys.settrace(None)
+            with CallerStream(s2):
+                again = m([x2])
+            deadline = time.monotonic() + 0.05  # run now, unless it waits for s1 (it should
+            while not again[0].ready() and time.monotonic() < deadline:  # once any of the
+                time.sleep(0.002)  # interrupted execute's work was enqueued there)
+            latch.release()
+            host.synchronize()
+            for r, want in zip(again, (2 * (x2 + 0.5), x2 + 0.5), strict=True):
+                np.testing.assert_array_equal(r.to_host(), want, err_msg=f"line {line}")
+        for r, want in zip(kept, (2 * (x0 + 0.5), x0 + 0.5), strict=True):
+            np.testing.assert_array_equal(r.to_host(), want, err_msg=f"line {line}")
+    assert len(hit) > 20, hit  # the interrupt landed on most lines (some only run elsewhere)
