@@ -635,7 +635,10 @@ class Scheduler:
 
     def _stall_warning(self, queues: int) -> None:
         """``TimingStallWarning``: issued by a submit once its job is queued, so that a warnings
-        filter turning it into an error leaves nothing half done (the job runs)."""
+        filter turning it into an error leaves nothing half done (the job runs). A hook that
+        shows the warning runs inside the scheduler, where observers only read
+        (``_reentry``): what they read is brought up to date first."""
+        self._bring_up_to_date()
         warnings.warn(
             f"{queues + 1} streams have timed jobs pending on {self.device.name}, more than "
             f"its {queues} hardware queues (CUDA_DEVICE_MAX_CONNECTIONS): streams now share "
@@ -904,7 +907,11 @@ class Scheduler:
         """Forget the spans recorded so far (to measure one phase of a longer run): those of
         every job the device has finished. A job still running is recorded when it ends, in
         the next phase."""
-        self._bring_up_to_date()  # jobs finished before now, not into the next phase
+        if not reentered():  # (see _bring_up_to_date)
+            self._release_loop_job()
+            for job in list(self._pending):  # done on the device, not reported yet (a lane
+                job.lane.observe(job)  # reports in order: one may wait behind a slower one)
+            self._read_spans()
         self._spans.clear()
 
     def _bring_up_to_date(self) -> bool:

@@ -220,3 +220,31 @@ async def test_the_warning_as_an_error_leaves_the_submitted_job_running(device, 
     assert sched.statistics()[0].completed == 2 and streams[1].closed
     assert not streams[1]._pins, "the second job never gave its stream back"
     streams[0].close()
+
+
+@pytest.mark.anyio
+async def test_a_hook_showing_the_warning_sees_the_jobs_awaited_before(device, monkeypatch):
+    """A warnings hook runs inside the submit, where observers only read (a raw signal handler
+    may land there too): a job awaited before, its span not read yet, was missing from the
+    timeline and the busy time the hook read. The scheduler brings them up to date first."""
+    from streamlane.runtime import Result
+
+    monkeypatch.setattr(device, "hardware_queues", 2)
+    quick = double_program("quick").method("forward", device=device)
+    spins = [spin_program(SPIN_US, f"s{i}").method("forward", device=device) for i in range(3)]
+    x = Result.from_host(data(0), device)
+    seen = {}
+    with anyio.fail_after(30):
+        async with Scheduler(device, lanes=1, poll_us=1e6) as sched:
+            first = await sched.submit(quick, [x], stream=device.create_stream())
+            await first  # settled by the loop's poll, its span not read yet (so here)
+
+            def hook(message, category, filename, lineno, file=None, line=None):
+                seen["jobs"] = [span.job for span in sched.timeline()]
+                seen["busy"] = sched.statistics()[0].busy_time_s
+
+            monkeypatch.setattr(warnings, "showwarning", hook)
+            jobs = [await sched.submit(m, [x], stream=device.create_stream()) for m in spins]
+            for job in jobs:
+                await job
+    assert seen["jobs"] == [first.id] and seen["busy"] > 0, seen
