@@ -14,6 +14,7 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 __all__ = ["main"]
 
@@ -50,29 +51,57 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Stdout:
+    """Standard output as the demo's console writes it, noting a write that failed: only such
+    a failure is reported as standard output's (any other error keeps its traceback)."""
+
+    def __init__(self, file: Any):
+        self._file = file
+        self.failed: OSError | None = None
+
+    def write(self, text: str) -> int:
+        try:
+            return self._file.write(text)
+        except OSError as exc:
+            self.failed = exc
+            raise
+
+    def flush(self) -> None:
+        try:
+            self._file.flush()
+        except OSError as exc:
+            self.failed = exc
+            raise
+
+    def __getattr__(self, name: str) -> Any:  # isatty, fileno, encoding: as the file's
+        return getattr(self._file, name)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     # Everything, imports included (this module and the package import only the standard
     # library before this point), runs under the Ctrl-C handler.
+    stdout = _Stdout(sys.stdout)
     try:
         args = _parser().parse_args(argv)
         if not 1 <= args.requests <= MAX_REQUESTS:
             return _fail(f"--requests must be in 1..{MAX_REQUESTS} (the demo prepares every "
                          f"request's input before it starts), got {args.requests}", 2)
-        return _demo(args)
+        return _demo(args, stdout)
     except KeyboardInterrupt:  # the schedulers have already waited for the device's work
         return _fail("interrupted", 130)
-    except OSError as exc:
-        if exc.filename is not None:  # not standard output: the demo's files are reported
-            raise  # as they fail, so this is unexpected
+    except OSError:
+        failed = stdout.failed
+        if failed is None:  # not standard output: unexpected, keep its traceback
+            raise
         # Standard output could not be written (a full disk, a closed pipe). Later writes,
         # Python's own flush at exit included, go nowhere instead of failing again.
         try:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         except (OSError, ValueError, AttributeError):  # not a file descriptor (embedded use)
             pass
-        if isinstance(exc, BrokenPipeError):  # its reader left (`| head`): nothing to report
+        if isinstance(failed, BrokenPipeError):  # its reader left (`| head`): nothing to say
             return 1
-        return _fail(f"cannot write to standard output: {exc.strerror or exc}", 1)
+        return _fail(f"cannot write to standard output: {failed.strerror or failed}", 1)
 
 
 def _fail(message: str, code: int) -> int:
@@ -118,7 +147,7 @@ def _unusable_out(out: Path) -> str | None:
     return None
 
 
-def _demo(args: argparse.Namespace) -> int:
+def _demo(args: argparse.Namespace, stdout: _Stdout) -> int:
     import anyio
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
@@ -144,7 +173,7 @@ def _demo(args: argparse.Namespace) -> int:
     unusable = _unusable_out(args.out)
     if unusable:
         return _fail(unusable, 2)
-    console = Console()
+    console = Console(file=stdout)
     size = args.size if args.size != "auto" else ("large" if device.kind == "cuda" else "small")
     batch, width = SIZES[size]
     console.print(f"streamlane demo on [bold]{device.name}[/bold]: {args.requests} requests "

@@ -223,3 +223,22 @@ def test_a_reader_that_leaves_early_ends_the_demo_quietly(tmp_path):
     proc.stdout.close()  # as `head -1` does
     _, err = proc.communicate(timeout=120)
     assert proc.returncode in (0, 1) and b"Traceback" not in err and b"Exception" not in err, err
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="an open-file limit set for the child")
+def test_another_error_without_a_file_name_is_not_blamed_on_standard_output(tmp_path):
+    """With 5 open files allowed, asyncio cannot make its own pipe (EMFILE, an OSError with no
+    file name): that was reported as "cannot write to standard output", and standard output
+    (a writable file) was then sent to /dev/null."""
+    import resource
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (5, 5))
+
+    with open(tmp_path / "out.txt", "w") as out:
+        proc = subprocess.run([sys.executable, "-m", "streamlane.sched", "demo", "--device",
+                               "host", "--requests", "1", "--out", str(tmp_path / "files")],
+                              stdout=out, stderr=subprocess.PIPE, text=True, timeout=120,
+                              preexec_fn=limit)
+    assert proc.returncode != 0 and "standard output" not in proc.stderr, proc.stderr
+    assert "streamlane demo on host" in (tmp_path / "out.txt").read_text()
