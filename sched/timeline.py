@@ -40,11 +40,14 @@ class Span:
 class Timeline:
     """An immutable snapshot of spans (``Scheduler.timeline()``)."""
 
-    __slots__ = ("_device", "_spans")
+    __slots__ = ("__weakref__", "_device", "_spans")
 
     def __init__(self, spans: Iterable[Span], device: str = ""):
         self._spans: tuple[Span, ...] = tuple(sorted(spans, key=lambda s: (s.start_s, s.job)))
         self._device = device
+
+    def __reduce__(self) -> tuple[type[Timeline], tuple[tuple[Span, ...], str]]:
+        return Timeline, (self._spans, self._device)  # every pickle protocol, and copy
 
     @property
     def spans(self) -> tuple[Span, ...]:

@@ -184,6 +184,22 @@ def test_a_timeline_is_an_immutable_snapshot():
         t.spans[0].end_s = 2.0  # type: ignore[misc]
 
 
+def test_a_timeline_pickles_copies_and_takes_weak_references():
+    """Made read-only with __slots__, it lost pickling under protocols 0 and 1, and weak
+    references."""
+    import copy
+    import pickle
+    import weakref
+
+    t = Timeline([Span(0, "a", 0, "lane 0", 0.0, 1.0), Span(1, "b", 1, "lane 1", 0.5, 2.0)],
+                 "host:0")
+    for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
+        back = pickle.loads(pickle.dumps(t, protocol))
+        assert back.spans == t.spans and back.device == t.device, protocol
+    assert copy.deepcopy(t).spans == t.spans and copy.copy(t).overlap() == t.overlap()
+    assert weakref.ref(t)() is t
+
+
 def test_overlap_is_the_sum_of_durations_over_their_union():
     spans = [Span(0, "a", 0, "lane 0", 0.0, 1.0), Span(1, "b", 1, "lane 1", 0.5, 1.5),
              Span(2, "a", 0, "lane 0", 3.0, 4.0)]
