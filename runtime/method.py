@@ -320,6 +320,7 @@ class Method:
         key = stream.key
         used: list[Buffer] = []  # memory of others this execute touches, and its outputs' (rule 8)
         pooled: list[PooledBuffer] = []  # the output buffers taken, in output order
+        previous = self._outputs
         try:  # an interrupt (Ctrl-C) may land anywhere up to the end: ordered as a failure
             event = self._enqueue(stream, key, start, used, pooled)
             self._note(key, event, used)
@@ -327,6 +328,9 @@ class Method:
                 if pooled else [Result(view, event, key, view_only=True) for view in self._views]
             self.executions += 1
         except BaseException:
+            # The last execute's outputs stand, in buffers of their own; views it may have
+            # half rewritten do not (clone_outputs=False): none until an execute succeeds.
+            self._outputs = previous if self.clone_outputs else None
             self._order_after_failure(stream, key, used)
             raise
 
@@ -405,9 +409,7 @@ class Method:
         input slots, output buffers readied for rewriting (their readers' waits enqueued, the
         readers forgotten), some steps. Order whatever runs next after that part, as after a
         whole execute: the method's next execute on another stream (rule 4) and the next
-        writer of the memory it touched (rule 8). Its outputs may be half written: none are
-        given until an execute succeeds."""
-        self._outputs = None
+        writer of the memory it touched (rule 8). Its own outputs are never given."""
         try:
             event = self.device.create_event()
             self.device._record(event, stream._usable())

@@ -775,3 +775,31 @@ def test_a_ctrl_c_anywhere_in_execute_leaves_the_next_execute_ordered(host):
         for r, want in zip(kept, (2 * (x0 + 0.5), x0 + 0.5), strict=True):
             np.testing.assert_array_equal(r.to_host(), want, err_msg=f"line {line}")
     assert len(hit) > 20, hit  # the interrupt landed on most lines (some only run elsewhere)
+
+
+@pytest.mark.parametrize("clone", [True, False], ids=["own buffers", "views"])
+def test_a_failed_execute_keeps_the_last_outputs_unless_it_may_have_rewritten_them(host, clone):
+    """The last execute's outputs, in buffers of their own, stand after a failed execute (here
+    on a caller stream closed under it), as they did before a failure was recorded; views it
+    may have half rewritten do not."""
+    from streamlane.runtime.errors import StreamClosed
+
+    p = mlp()
+    m = p.method("forward", device=host, clone_outputs=clone)
+    x = x_for(p)
+    m.set_inputs([x])
+    m.execute()
+    first = m.get_outputs()
+    stream = host.create_stream()
+    with CallerStream(stream):
+        stream.close()
+        with pytest.raises(StreamClosed):
+            m.execute()
+    if clone:
+        assert [r.array.ptr for r in m.get_outputs()] == [r.array.ptr for r in first]
+        check(p, [x], first)
+    else:
+        with pytest.raises(InvalidState):
+            m.get_outputs()
+    m.execute()
+    check(p, [x], m.get_outputs())
