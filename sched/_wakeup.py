@@ -101,6 +101,29 @@ class LoopWaker:
                 self._pending.clear()
                 self._scheduled = False
 
+    def wake_if_outside_task(self) -> None:
+        """After the loop thread settled jobs outside any task, make the loop turn. There a
+        raw signal handler may have interrupted the loop waiting in its selector: the tasks
+        it woke were scheduled with the loop's own calls, which a loop waiting in its
+        selector does not see, and nothing else might come to wake it (the lane's waiter,
+        finding the job settled, posts nothing). The thread-safe (signal-safe) call does."""
+        if self._in_task():
+            return
+        self.post(_nothing)
+
+    def _in_task(self) -> bool:
+        if self._loop is not None:
+            import asyncio
+
+            return asyncio.current_task(self._loop) is not None
+        import trio
+
+        try:
+            trio.lowlevel.current_task()
+        except RuntimeError:
+            return False
+        return True
+
     def call_soon(self, callback: Callable[[], object]) -> None:
         """Run ``callback()`` at the loop's next turn, after the tasks ready now have run (loop
         thread only, while the loop runs: not thread-safe, and cheaper than ``post``)."""
@@ -201,6 +224,10 @@ class LoopWaker:
         else:
             print(message, file=sys.stderr)
             sys.excepthook(type(exc), exc, exc.__traceback__)
+
+
+def _nothing() -> None:
+    """A callback whose only effect is the loop's turn."""
 
 
 def current_async_library() -> str:

@@ -229,6 +229,7 @@ class Job:
         unless called from inside the scheduler (a raw signal handler): then only read."""
         if not reentered():
             self.lane.observe(self)
+            self.lane._core.observed()
 
     def done(self) -> bool:
         """True once the job has finished, whatever the outcome (never blocks). Agrees with the

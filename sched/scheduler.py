@@ -887,6 +887,7 @@ class Scheduler:
         """Jobs submitted and not yet finished."""
         if not reentered():  # see _bring_up_to_date
             self._release_loop_job()
+            self.observed()
         return len(self._pending)
 
     def statistics(self) -> tuple[LaneStatistics, ...]:
@@ -912,6 +913,7 @@ class Scheduler:
             for job in list(self._pending):  # done on the device, not reported yet (a lane
                 job.lane.observe(job)  # reports in order: one may wait behind a slower one)
             self._read_spans()
+            self.observed()
         self._spans.clear()
 
     def _bring_up_to_date(self) -> bool:
@@ -924,7 +926,14 @@ class Scheduler:
             return False
         self._release_loop_job()
         self._read_spans()
+        self.observed()
         return True
+
+    def observed(self) -> None:
+        """After an observer (user code) may have settled jobs on the loop thread: see
+        ``LoopWaker.wake_if_outside_task`` (a raw signal handler in the loop's selector)."""
+        if self._state != _NEW and self.waker.on_loop():  # (no waker before the entry)
+            self.waker.wake_if_outside_task()
 
     def _read_spans(self) -> None:
         for lane in self.lanes:

@@ -848,3 +848,68 @@ def test_a_handler_reading_statistics_inside_a_span_read_takes_no_lock():
     out = _run(HANDLER_IN_SPAN_READ, HERE)
     assert "WAITER WAITS FOR THE SPAN LOCK" in out.stdout, out  # the case under test
     assert "HANDLER" in out.stdout and "NO HANG" in out.stdout, out
+
+
+# A raw signal handler looks at a job while the loop waits in its selector for that job, after
+# the device finished it and before the lane's waiter (held here) claims it: the handler's
+# done() settles the job on the spot, waking the awaiting task with the loop's own call, which
+# a loop in its selector does not see (asyncio's; uvloop and trio wake on the signal itself);
+# the waiter then finds the job settled and posts nothing. The await waited for the
+# selector's next event: here, none.
+HANDLER_IN_SELECTOR = r"""
+import linecache, os, signal, sys, threading, time
+import anyio
+import numpy as np
+sys.path.insert(0, sys.argv[2])
+from sched_helpers import data, spin_program
+from streamlane.runtime import get_device
+from streamlane.sched import Scheduler
+import streamlane.sched.lane as lane_module
+""" + RUN + r"""
+
+backend = sys.argv[1]
+dev = get_device("host")
+spin = spin_program(100_000).method("forward", device=dev)
+code = lane_module.Lane._run_waiter.__code__
+claim = next(i for i, t in enumerate(linecache.getlines(code.co_filename), 1)
+             if i > code.co_firstlineno and "report = self._settle(batch, error)" in t)
+live = {"armed": False}
+
+def local(frame, event, arg):  # the waiter, woken by the device, is held before it claims
+    if event == "line" and frame.f_lineno == claim and live["armed"]:
+        live["armed"] = False
+        time.sleep(0.5)
+    return local
+
+def tracer(frame, event, arg):
+    return local if frame.f_code is code else None
+
+def handler(signum, frame):
+    live["seen"] = live["job"].done()
+
+def watchdog():
+    time.sleep(10)
+    print("HUNG", flush=True)
+    os._exit(3)
+
+async def main():
+    async with Scheduler(dev, lanes=1) as sched:
+        live["armed"] = True
+        live["job"] = job = await sched.submit(spin, [data(0)])
+        t0 = time.perf_counter()
+        signal.setitimer(signal.ITIMER_REAL, 0.3)  # after the 0.1-s spin, in the 0.5-s hold
+        await job  # no timer of its own: nothing else would wake the loop
+        print("SEEN", live.get("seen"), "AWAITED IN", round(time.perf_counter() - t0, 1),
+              flush=True)
+
+signal.signal(signal.SIGALRM, handler)
+threading.settrace(tracer)  # the lane threads start inside the scheduler: they are traced
+threading.Thread(target=watchdog, daemon=True).start()
+run(main, backend)
+"""
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_job_a_handler_settles_while_the_loop_waits_wakes_its_await(backend):
+    out = _run(HANDLER_IN_SELECTOR, backend, HERE)
+    assert "HUNG" not in out.stdout and "SEEN True AWAITED IN 0.3" in out.stdout, out

@@ -167,6 +167,13 @@ async def test_spans_the_loop_settles_are_read_without_anyone_asking(device, mon
     assert 0 < most <= UNREAD_MAX, most
 
 
+def test_a_scheduler_not_entered_yet_can_be_looked_at(host):
+    sched = Scheduler(host, lanes=2)
+    assert [s.completed for s in sched.statistics()] == [0, 0]
+    assert len(sched.timeline()) == 0 and sched.pending == 0
+    sched.clear_timeline()
+
+
 def test_statistics_are_frozen_dataclasses():
     stats = LaneStatistics(0, 1, 2, 3, 0.5)
     with pytest.raises(dataclasses.FrozenInstanceError):
