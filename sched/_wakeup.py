@@ -107,11 +107,12 @@ class LoopWaker:
         it woke were scheduled with the loop's own calls, which a loop waiting in its
         selector does not see, and nothing else might come to wake it (the lane's waiter,
         finding the job settled, posts nothing). The thread-safe (signal-safe) call does."""
-        if self._in_task():
+        if self.in_task():
             return
         self.post(_nothing)
 
-    def _in_task(self) -> bool:
+    def in_task(self) -> bool:
+        """Whether the caller runs inside one of the loop's tasks (loop thread)."""
         if self._loop is not None:
             import asyncio
 

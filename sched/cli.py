@@ -80,7 +80,10 @@ class _Stdout:
 def main(argv: Sequence[str] | None = None) -> int:
     # Everything, imports included (this module and the package import only the standard
     # library before this point), runs under the Ctrl-C handler.
-    stdout = _Stdout(sys.stdout)
+    # Standard output closed at start (`>&-`): Python gives None; write to nowhere (a file
+    # kept open for the process).
+    nowhere = None if sys.stdout is not None else open(os.devnull, "w")  # noqa: SIM115
+    stdout = _Stdout(sys.stdout if nowhere is None else nowhere)
     try:
         args = _parser().parse_args(argv)
         if not 1 <= args.requests <= MAX_REQUESTS:

@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from streamlane.runtime.errors import InvalidArgument, InvalidState
-from streamlane.sched._reentry import reentered
 
 if TYPE_CHECKING:
     from collections.abc import Generator
@@ -65,7 +64,7 @@ class JobOutput:
         A lone job held back for its await (``Scheduler``: inline) is enqueued now, by the
         loop thread, so its outputs exist as soon as ``submit`` returns."""
         job = self.job
-        if job._parked and job.lane._core.waker.on_loop() and not reentered():
+        if job._parked and job.lane._core.waker.on_loop() and job.lane._core.may_update():
             job.lane._core.start_parked()
         results = job.results
         if results is None:
@@ -202,7 +201,7 @@ class Job:
     def span(self) -> tuple[float, float] | None:
         """The job's device start and end, in seconds after the scheduler's reference event
         (timing events; None without ``timing``, or until the job has finished)."""
-        if self._span_unread and not reentered():
+        if self._span_unread and self.lane._core.may_update():
             self.lane.read_spans()
         return self._span
 
@@ -227,9 +226,10 @@ class Job:
     def _observe(self) -> None:
         """Let the lane settle this job if the device has finished it (``Lane.observe``),
         unless called from inside the scheduler (a raw signal handler): then only read."""
-        if not reentered():
+        core = self.lane._core
+        if core.may_update():
             self.lane.observe(self)
-            self.lane._core.observed()
+            core.observed()
 
     def done(self) -> bool:
         """True once the job has finished, whatever the outcome (never blocks). Agrees with the

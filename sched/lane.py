@@ -347,6 +347,12 @@ class Lane:
                 if thread.ident is not None:
                     thread.join()
 
+    @property
+    def span_lock(self) -> Any:
+        """Held while spans are noted and read: ``Scheduler.clear_timeline`` holds every
+        lane's so that no span is recorded between its read and its cut."""
+        return self._span_lock
+
     def statistics(self, locked: bool = True) -> LaneStatistics:
         """The lane's counters, read under its locks (one consistent snapshot); without
         ``locked``, read as they stand: for an observer called from inside the scheduler (a

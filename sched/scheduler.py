@@ -38,6 +38,7 @@ Guarantees:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import operator
 import os
@@ -637,8 +638,9 @@ class Scheduler:
         """``TimingStallWarning``: issued by a submit once its job is queued, so that a warnings
         filter turning it into an error leaves nothing half done (the job runs). A hook that
         shows the warning runs inside the scheduler, where observers only read
-        (``_reentry``): what they read is brought up to date first."""
-        self._bring_up_to_date()
+        (``_reentry``): what they read is brought up to date first, every job the device
+        has finished settled."""
+        self._bring_up_to_date(settle_all=True)
         warnings.warn(
             f"{queues + 1} streams have timed jobs pending on {self.device.name}, more than "
             f"its {queues} hardware queues (CUDA_DEVICE_MAX_CONNECTIONS): streams now share "
@@ -885,7 +887,7 @@ class Scheduler:
     @property
     def pending(self) -> int:
         """Jobs submitted and not yet finished."""
-        if not reentered():  # see _bring_up_to_date
+        if self.may_update():
             self._release_loop_job()
             self.observed()
         return len(self._pending)
@@ -906,28 +908,55 @@ class Scheduler:
 
     def clear_timeline(self) -> None:
         """Forget the spans recorded so far (to measure one phase of a longer run): those of
-        every job the device has finished. A job still running is recorded when it ends, in
-        the next phase."""
-        if not reentered():  # (see _bring_up_to_date)
-            self._release_loop_job()
-            for job in list(self._pending):  # done on the device, not reported yet (a lane
-                job.lane.observe(job)  # reports in order: one may wait behind a slower one)
-            self._read_spans()
-            self.observed()
-        self._spans.clear()
-
-    def _bring_up_to_date(self) -> bool:
-        """Before an observer reads: settle (or hand to the waiter) the lone job the loop kept,
-        and read the spans of the jobs settled so far. Not when called from inside the
-        scheduler (a raw signal handler landing in it): the interrupted frame may be changing
-        that very state, or hold a lock, so the observer reads what was settled before, taking
-        no lock (``_reentry``). Returns whether it brought the scheduler up to date."""
-        if reentered():
-            return False
+        the jobs settled when it is called (awaited, or reported by their lane, which reports
+        its jobs in order). A job still running then, or finished on the device but not yet
+        reported, is recorded in the next phase: await a phase's jobs before clearing."""
+        if not self.may_update():
+            self._spans.clear()
+            return
         self._release_loop_job()
+        with contextlib.ExitStack() as held:  # no span is recorded between the read and the cut
+            for lane in self.lanes:
+                held.enter_context(lane.span_lock)
+            self._read_spans()
+            self._spans.clear()
+        self.observed()
+
+    def _settle_finished(self) -> None:
+        """Settle every pending job the device has finished (a lane reports its jobs in order,
+        so one may wait behind a slower one), on the loop thread; elsewhere, none. One event
+        query per pending job."""
+        self._release_loop_job()
+        for job in list(self._pending):
+            job.lane.observe(job)
+
+    def _bring_up_to_date(self, settle_all: bool = False) -> bool:
+        """Before an observer reads: settle (or hand to the waiter) the lone job the loop kept
+        (with ``settle_all``, every job the device has finished), and read the spans of the
+        jobs settled so far, unless ``may_update()`` says no; then the observer reads what
+        was settled before, taking no lock. Returns whether it brought the scheduler up to
+        date."""
+        if not self.may_update():
+            return False
+        if settle_all:
+            self._settle_finished()
+        else:
+            self._release_loop_job()
         self._read_spans()
         self.observed()
         return True
+
+    def may_update(self) -> bool:
+        """Whether an observer called now may settle jobs and read spans. Not from inside the
+        scheduler (a raw signal handler landing in it, ``_reentry``): the interrupted frame
+        may be changing that very state, or hold a lock. Nor, on trio, from the loop thread
+        outside any task (a raw signal handler landing in trio's own run loop, say as it
+        cancels a task): waking a task there broke trio's invariants (TrioInternalError)."""
+        if reentered():
+            return False
+        if self._state == _NEW or self.waker.backend != "trio" or not self.waker.on_loop():
+            return True
+        return self.waker.in_task()
 
     def observed(self) -> None:
         """After an observer (user code) may have settled jobs on the loop thread: see

@@ -242,3 +242,13 @@ def test_another_error_without_a_file_name_is_not_blamed_on_standard_output(tmp_
                               preexec_fn=limit)
     assert proc.returncode != 0 and "standard output" not in proc.stderr, proc.stderr
     assert "streamlane demo on host" in (tmp_path / "out.txt").read_text()
+
+
+def test_a_standard_output_closed_from_the_start_runs_quietly(tmp_path):
+    """``streamlane demo >&-``: Python starts with sys.stdout None; the console's wrapper
+    raised AttributeError with a traceback."""
+    proc = subprocess.run([sys.executable, "-m", "streamlane.sched", "demo", "--device", "host",
+                           "--requests", "1", "--out", str(tmp_path)], stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True, timeout=120,
+                          preexec_fn=lambda: os.close(1))
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr

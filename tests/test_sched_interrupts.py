@@ -911,5 +911,73 @@ run(main, backend)
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_job_a_handler_settles_while_the_loop_waits_wakes_its_await(backend):
+    """On trio the handler, outside any task, only reads (see the next test): the job is
+    settled by its waiter, once let go."""
     out = _run(HANDLER_IN_SELECTOR, backend, HERE)
-    assert "HUNG" not in out.stdout and "SEEN True AWAITED IN 0.3" in out.stdout, out
+    want = "SEEN False AWAITED IN 0.6" if backend == "trio" else "SEEN True AWAITED IN 0.3"
+    assert "HUNG" not in out.stdout and want in out.stdout, out
+
+
+# trio: a raw signal handler calls job.done() as trio's run loop delivers a deadline's
+# cancellation to the task awaiting that job (at the first line of Task._attempt_abort), the
+# job done on the device and its waiter held before claiming it. Settled there and then, the
+# job's Event rescheduled the awaiting task inside trio's cancellation delivery: trio asserted
+# and ended the run with TrioInternalError.
+HANDLER_IN_TRIO_ABORT = r"""
+import linecache, signal, sys, threading, time
+import anyio
+import trio
+sys.path.insert(0, sys.argv[1])
+from sched_helpers import data, spin_program
+from streamlane.runtime import get_device
+from streamlane.sched import Scheduler
+import streamlane.sched.lane as lane_module
+
+dev = get_device("host")
+spin = spin_program(100_000).method("forward", device=dev)
+code = lane_module.Lane._run_waiter.__code__
+claim = next(i for i, t in enumerate(linecache.getlines(code.co_filename), 1)
+             if i > code.co_firstlineno and "report = self._settle(batch, error)" in t)
+abort = trio.lowlevel.Task._attempt_abort.__code__
+live = {"waiter": False, "abort": False}
+
+def waiter_local(frame, event, arg):
+    if event == "line" and frame.f_lineno == claim and live["waiter"]:
+        live["waiter"] = False
+        time.sleep(0.5)  # the waiter, woken by the device, is held before it claims
+    return waiter_local
+
+def thread_tracer(frame, event, arg):
+    return waiter_local if frame.f_code is code else None
+
+def main_tracer(frame, event, arg):
+    if event == "call" and frame.f_code is abort and live["abort"]:
+        live["abort"] = False
+        signal.raise_signal(signal.SIGUSR1)  # the signal lands here
+    return None
+
+def handler(signum, frame):
+    live["seen"] = live["job"].done()
+
+async def main():
+    async with Scheduler(dev, lanes=1) as sched:
+        live["waiter"] = True
+        job = live["job"] = await sched.submit(spin, [data(0)])
+        live["abort"] = True
+        sys.settrace(main_tracer)
+        try:
+            with anyio.move_on_after(0.3):  # its deadline passes while the waiter is held
+                await job
+        finally:
+            sys.settrace(None)
+        print("SEEN", live.get("seen"), "THEN", job.state, flush=True)
+
+signal.signal(signal.SIGUSR1, handler)
+threading.settrace(thread_tracer)
+anyio.run(main, backend="trio")
+"""
+
+
+def test_a_handler_in_trios_run_loop_only_reads():
+    out = _run(HANDLER_IN_TRIO_ABORT, HERE)
+    assert out.returncode == 0 and "SEEN False THEN done" in out.stdout, out
