@@ -248,3 +248,35 @@ async def test_a_hook_showing_the_warning_sees_the_jobs_awaited_before(device, m
             for job in jobs:
                 await job
     assert seen["jobs"] == [first.id] and seen["busy"] > 0, seen
+
+
+@pytest.mark.anyio
+async def test_a_hook_showing_the_warning_sees_every_finished_job_done(host, monkeypatch):
+    """Job a finished on the device; c, ordered after it on another lane, was seen done (user
+    code polling without yielding). The hook, which only reads, saw a not done: a job looked
+    unfinished after one ordered after it had finished. Every finished job is settled first."""
+    import time
+
+    monkeypatch.setattr(host, "hardware_queues", 2)
+    ma, mc, mb = (double_program(n).method("forward", device=host) for n in "acb")
+    busy = spin_program(300_000, "busy").method("forward", device=host)
+    seen = {}
+    with anyio.fail_after(30):
+        async with Scheduler(host, lanes=2) as sched:
+            a = await sched.submit(ma, [data(0)], lane=0)
+            c = await sched.submit(mc, [a.outputs[0]], lane=1, after=[a])
+            d = await sched.submit(busy, [data(1)], lane=1)  # keeps lane 1's stream busy
+
+            def hook(message, category, filename, lineno, file=None, line=None):
+                seen.update(a=a.done(), c=c.done())
+
+            deadline = time.monotonic() + 10
+            while not c.done() and time.monotonic() < deadline:  # no yield to the loop
+                time.sleep(0.001)
+            assert c.done() and a.event.query()  # the case under test
+            time.sleep(0.05)
+            monkeypatch.setattr(warnings, "showwarning", hook)
+            b = await sched.submit(mb, [data(2)], stream=host.create_stream())  # it warns
+            await b
+            await d
+    assert seen == {"a": True, "c": True}, seen
