@@ -24,21 +24,46 @@ from types import FrameType
 
 _INSIDE = ("streamlane.runtime", "streamlane.kernels", "streamlane.sched")
 _OUTSIDE = frozenset({"streamlane.sched.cli", "streamlane.sched.demo"})
+# The event loop's own dispatch: a task's frames sit above it, so streamlane frames below it
+# were not interrupted by code running in a task, and the walk stops there (cheap for the
+# usual call from a task, whose stack is mostly the loop's).
+_LOOP = frozenset({"asyncio.events", "asyncio.base_events", "asyncio.runners",
+                   "trio._core._run", "anyio._core._eventloop"})
+_OTHER, _STREAMLANE, _DISPATCH = 0, 1, 2
+# What each file seen so far holds, decided by its module's name the first time it is seen (a
+# file is one module; the name's hash is cached in the string).
+_SEEN: dict[str, int] = {}
 
 
-def _streamlane(frame: FrameType) -> bool:
+def _classify(frame: FrameType) -> int:
     name = frame.f_globals.get("__name__")
-    return isinstance(name, str) and name.startswith(_INSIDE) and name not in _OUTSIDE
+    kind = _OTHER
+    if isinstance(name, str):
+        if name.startswith(_INSIDE) and name not in _OUTSIDE:
+            kind = _STREAMLANE
+        elif name in _LOOP:
+            kind = _DISPATCH
+    _SEEN[frame.f_code.co_filename] = kind
+    return kind
 
 
 def reentered() -> bool:
     """True if streamlane code is on the calling thread's stack below the caller's own
-    streamlane frames (see the module's docstring)."""
+    streamlane frames and above the event loop's dispatch (see the module's docstring). One
+    dictionary lookup per frame."""
+    seen = _SEEN
     frame: FrameType | None = sys._getframe(1)
-    while frame is not None and _streamlane(frame):  # the observer's own frames
-        frame = frame.f_back
+    own = True  # still in the observer's own streamlane frames
     while frame is not None:
-        if _streamlane(frame):
-            return True
+        kind = seen.get(frame.f_code.co_filename)
+        if kind is None:
+            kind = _classify(frame)
+        if kind == _STREAMLANE:
+            if not own:
+                return True
+        elif kind == _DISPATCH:
+            return False
+        else:
+            own = False
         frame = frame.f_back
     return False

@@ -228,8 +228,10 @@ class Job:
         unless called from inside the scheduler (a raw signal handler): then only read."""
         core = self.lane._core
         if core.may_update():
+            finished = self._finished
             self.lane.observe(self)
-            core.observed()
+            if self._finished and not finished:  # settled here: its await must hear of it
+                core.observed()
 
     def done(self) -> bool:
         """True once the job has finished, whatever the outcome (never blocks). Agrees with the
