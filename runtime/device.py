@@ -64,8 +64,8 @@ class PreparedLaunch:
         ins, outs = _check_arrays(self.device, self.spec.name, ins, outs)
         if len(ins) != len(self.in_shapes) or len(outs) != len(self.out_shapes):
             raise arity_error(self, ins, outs)
-        shapes = ([a.shape for a in ins], [a.shape for a in outs])
-        if shapes != ([*self.in_shapes], [*self.out_shapes]):  # its grid covers those
+        shapes = (tuple(a.shape for a in ins), tuple(a.shape for a in outs))
+        if shapes != (self.in_shapes, self.out_shapes):  # its grid covers those
             raise InvalidArgument(
                 f"run({self.spec.name}): prepared for inputs {[list(s) for s in self.in_shapes]}"
                 f" and outputs {[list(s) for s in self.out_shapes]}, got "
