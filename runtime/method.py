@@ -8,7 +8,9 @@ Guarantees:
   stream wait, on the device, for the previous execute (rule 4);
 - ``execute()`` never waits on the host for the device's own work (rule 6); it may wait where
   memory someone else may use is reused: an output buffer another library took on an unknown
-  stream (``may_wait_on_host``), or pinned staging for large host inputs (CUDA);
+  stream (``may_wait_on_host``), or pinned staging for large host inputs (CUDA); and once
+  after an execute that failed partway where nothing could mark the end of its part (its
+  stream closed meanwhile, a second Ctrl-C): the next one first waits for the whole device;
 - two threads executing one method at the same time get ``InvalidState`` (``MethodBusy``),
   never unordered work.
 """
@@ -79,6 +81,9 @@ class Method:
         self._outputs: list[Result] | None = None
         self.last_event: Event | None = None
         self._last_stream_key: Any = None
+        # A failed execute left work on the device that nothing marks the end of
+        # (_order_after_failure): the next execute first waits for the whole device.
+        self._unordered = False
         self.executions = 0
 
         # Planned memory, allocated once: constants, internal buffers, input slots, outputs.
@@ -317,6 +322,9 @@ class Method:
                 + (" (the last set_inputs() failed)" if self._inputs is not None else ""))
         device = self.device
         stream = current_stream(device)
+        # A closed stream, or another thread's per-thread one, is refused before anything is
+        # touched: a refusal partway would leave readied buffers with no event to order by.
+        stream._usable()
         key = stream.key
         used: list[Buffer] = []  # memory of others this execute touches, and its outputs' (rule 8)
         pooled: list[PooledBuffer] = []  # the output buffers taken, in output order
@@ -340,6 +348,9 @@ class Method:
         event recorded after them. ``used`` and ``pooled`` fill as it goes, so that a failure
         partway knows what it touched (``_order_after_failure``)."""
         device = self.device
+        if self._unordered:  # see _order_after_failure
+            device.synchronize()
+            self._unordered = False
         if self.last_event is not None and self._last_stream_key != key:
             stream.wait(self.last_event)  # rule 4: hand the method over in device order
         arrays = self._arrays  # one list, reused: the guard makes this execute the only one
@@ -413,8 +424,12 @@ class Method:
         try:
             event = self.device.create_event()
             self.device._record(event, stream._usable())
-        except BaseException:  # the device itself failed (or a second Ctrl-C): nothing later
-            return  # can be ordered on it; the original error says what happened
+        except BaseException:  # the stream was closed meanwhile (another thread), the device
+            # failed, or a second Ctrl-C: nothing marks where that part ends, and the buffers
+            # it readied have forgotten their readers. The next execute waits for the whole
+            # device first (may_wait_on_host says so); the original error says what happened.
+            self._unordered = True
+            return
         self._note(key, event, used)
 
     def _note(self, key: Any, event: Event, used: list[Buffer]) -> None:
@@ -438,7 +453,11 @@ class Method:
         """Whether the next ``execute()`` may wait on the host: it may reuse an output buffer
         that another library took on an unknown stream (``__cuda_array_interface__``, DLPack
         with ``stream=-1``), which only a device-wide synchronize makes safe to rewrite (rule
-        8). The scheduler's event loop thread never runs such an execute."""
+        8), or follow an execute that failed partway with nothing to mark where its part ends
+        (``_order_after_failure``). The scheduler's event loop thread never runs such an
+        execute."""
+        if self._unordered:
+            return True
         if not PooledBuffer.blind_exports_seen:
             return False
         return any(p.needs_device_wait for pool in self._pools for p in pool.buffers)

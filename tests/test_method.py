@@ -777,12 +777,15 @@ def test_a_ctrl_c_anywhere_in_execute_leaves_the_next_execute_ordered(host):
     assert len(hit) > 20, hit  # the interrupt landed on most lines (some only run elsewhere)
 
 
+@pytest.mark.parametrize("failure", ["closed stream", "last step"])
 @pytest.mark.parametrize("clone", [True, False], ids=["own buffers", "views"])
-def test_a_failed_execute_keeps_the_last_outputs_unless_it_may_have_rewritten_them(host, clone):
-    """The last execute's outputs, in buffers of their own, stand after a failed execute (here
-    on a caller stream closed under it), as they did before a failure was recorded; views it
-    may have half rewritten do not."""
-    from streamlane.runtime.errors import StreamClosed
+def test_a_failed_execute_keeps_the_last_outputs_unless_it_may_have_rewritten_them(
+        host, clone, failure):
+    """The last execute's outputs, in buffers of their own, stand after an execute that failed
+    partway (here its last step), as they did before a failure was recorded; views it may have
+    half rewritten do not. An execute refused for its stream (closed) touches nothing: every
+    output stands."""
+    from streamlane.runtime.errors import DeviceError, StreamClosed
 
     p = mlp()
     m = p.method("forward", device=host, clone_outputs=clone)
@@ -792,10 +795,21 @@ def test_a_failed_execute_keeps_the_last_outputs_unless_it_may_have_rewritten_th
     first = m.get_outputs()
     stream = host.create_stream()
     with CallerStream(stream):
-        stream.close()
-        with pytest.raises(StreamClosed):
+        if failure == "closed stream":
+            stream.close()
+            error = StreamClosed
+        else:
+            def fail(stream, ins, outs):
+                raise DeviceError("injected: the last step failed", "CUDA_ERROR_LAUNCH_FAILED")
+
+            last = m._steps[-1]
+            m._steps[-1] = (fail, *last[1:])
+            error = DeviceError
+        with pytest.raises(error):
             m.execute()
-    if clone:
+        if failure == "last step":
+            m._steps[-1] = last
+    if clone or failure == "closed stream":
         assert [r.array.ptr for r in m.get_outputs()] == [r.array.ptr for r in first]
         check(p, [x], first)
     else:

@@ -519,6 +519,129 @@ def test_an_execute_that_failed_partway_keeps_an_output_buffers_readers(device, 
     np.testing.assert_array_equal(kept.to_host(), x1)
 
 
+@pytest.mark.parametrize("refused", ["closed", "another thread's"])
+def test_an_execute_refused_for_its_stream_forgets_no_reader(host, refused):
+    """An execute on a closed stream (or on another thread's per-thread stream), the stream the
+    method last ran on, readied its output buffer for rewriting before its first step was
+    refused: the buffer forgot its reader, a consumer queued on that stream, and nothing was
+    recorded to order by. The next execute, from this thread's stream, rewrote the buffer
+    while the consumer had yet to read it (rule 8). The consumer's read comes 0.3 s after the
+    producer's write (an injected delay), so a rewrite that does not wait for it wins."""
+    import threading
+
+    from streamlane.runtime.errors import InvalidState, StreamClosed
+
+    m = scaler().method("forward", device=host)
+    consumer = scaler(factor=3.0).method("forward", device=host)
+    x1, x2 = rand(), rand()
+    first_input = Result.from_host(x1, host)
+    first_input.to_host()  # complete: the executes below wait on no stream for their input
+    box, go, finish = {}, threading.Event(), threading.Event()
+
+    def produce_and_read(latch):  # on the stream to be refused, held until the latch lets go
+        stream = box["stream"] = host.create_stream() if refused == "closed" else \
+            host.per_thread_stream()
+        latch.hold(stream)
+        with CallerStream(stream):
+            first = m([first_input])[0]
+            host.inject_delay(stream, 0.3)
+            box["read"] = consumer([first])[0]
+        consumer.set_inputs([rand()])
+        m.set_inputs([first_input])
+        del first  # the buffer is free to rewrite, its reader still queued
+
+    with host.create_latch() as latch:
+        if refused == "closed":
+            produce_and_read(latch)
+            box["stream"].close()  # its queued work still runs
+            error = StreamClosed
+        else:
+            def other_thread():
+                produce_and_read(latch)
+                go.set()
+                finish.wait(10)  # the stream lives as long as its thread
+
+            thread = threading.Thread(target=other_thread)
+            thread.start()
+            assert go.wait(10)
+            error = InvalidState
+        try:
+            with CallerStream(box["stream"]), pytest.raises(error):
+                m.execute()
+            m.set_inputs([x2])
+            m.execute()  # this thread's stream: it must wait for the reader
+            again = m.get_outputs()[0]
+            latch.release()
+            np.testing.assert_allclose(box["read"].to_host(), 6 * x1, rtol=1e-6)
+            np.testing.assert_allclose(again.to_host(), 2 * x2, rtol=1e-6)
+        finally:
+            finish.set()
+            if refused != "closed":
+                thread.join(10)
+
+
+def test_a_failed_execute_that_could_not_mark_its_end_orders_the_next_after_the_device(
+        host, monkeypatch):
+    """A Ctrl-C in a step, then a second one in the failure's own event record: nothing marks
+    where the execute's part ends, and the output buffer it readied has forgotten its reader,
+    a consumer held on that stream. The next execute, from another thread, waits for the
+    whole device instead (rule 8), and says beforehand that it may wait on the host."""
+    import threading
+
+    second = []
+    record = type(host)._record
+
+    def interrupted_record(self, event, impl):
+        if second:
+            second.clear()
+            raise KeyboardInterrupt  # the second Ctrl-C, as the failure records its event
+        return record(self, event, impl)
+
+
+    def interrupted_enqueue(self, *args):  # the first Ctrl-C, as the callable step is enqueued
+        second.append(True)
+        raise KeyboardInterrupt
+
+    def step(stream, ins, outs):
+        pass
+
+    b = Program.build("interrupted")
+    mb = b.method("forward", x=("float32", [64, 64]))
+    y = mb.step("scale", "x", out="y", factor=2.0)
+    mb.call(step, [y], [("z", "float32", [64, 64])])
+    mb.output(y)
+    m = b.finish().method("forward", device=host)
+    consumer = scaler(factor=3.0).method("forward", device=host)
+    x1, x2 = rand(), rand()
+    with host.create_latch() as latch, host.create_stream() as held:
+        done = Result.from_host(x1, host)
+        done.to_host()
+        latch.hold(held)
+        with CallerStream(held):
+            first = m([done])[0]
+            read = consumer([first])[0]  # queued on `held` behind the latch
+        consumer.set_inputs([rand()])
+        m.set_inputs([done])
+        del first
+        monkeypatch.setattr(type(host), "enqueue_callable", interrupted_enqueue)
+        monkeypatch.setattr(type(host), "_record", interrupted_record)
+        with CallerStream(held), pytest.raises(KeyboardInterrupt):
+            m.execute()
+        monkeypatch.undo()
+        assert m.may_wait_on_host()
+        result = []
+        thread = threading.Thread(target=lambda: result.append(m([x2])[0]))
+        thread.start()
+        thread.join(0.2)
+        assert thread.is_alive(), "the next execute did not wait for the device"
+        latch.release()
+        thread.join(10)
+        assert not thread.is_alive()
+        np.testing.assert_allclose(read.to_host(), 6 * x1, rtol=1e-6)
+        np.testing.assert_allclose(result[0].to_host(), 2 * x2, rtol=1e-6)
+        assert not m.may_wait_on_host()
+
+
 def test_a_views_reader_added_while_the_producer_waits_for_the_others_is_kept(host):
     """clone_outputs=False: the producer's execute waits for every stream that read its views,
     while a consumer on another thread may be adding its own read of a view to the same record.
