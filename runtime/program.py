@@ -9,10 +9,12 @@ import json
 import math
 import os
 import re
+import stat
 import unicodedata
 import uuid
 import zipfile
 import zlib
+from collections import ChainMap
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -116,6 +118,8 @@ class Program:
             raise InvalidArgument(f"Program.load takes a path (str or os.PathLike), got "
                                   f"{type(path).__name__}")
         path = Path(path)
+        if "\0" in str(path):
+            raise InvalidArgument(f"Program.load: the path {str(path)!r} holds a NUL character")
         try:  # never more than the limit read: the file may be huge, or endless (/dev/zero)
             with path.open("rb") as f:
                 size = os.fstat(f.fileno()).st_size  # 0 for a pipe or a device
@@ -412,6 +416,11 @@ class MethodBuilder:
         self._steps.append({"callable": name, "in": list(ins), "out": [o[0] for o in outs]})
 
     def output(self, *names: str) -> None:
+        """Declare the method's outputs, in order (names of steps' outputs); one name once."""
+        for j, name in enumerate(names):
+            if name in self._outputs or name in names[:j]:
+                where = f"{member_path('methods', self.name)}.outputs[{len(self._outputs) + j}]"
+                raise InvalidProgram(f"{where}.name", "an output declared once", name)
         self._outputs.extend(names)
 
     def _declare(self, name: str, dtype: str, shape: Sequence[int]) -> None:
@@ -588,23 +597,16 @@ def _read_npz(folder: Path, name: str, headers_only: bool = False) -> dict[str, 
         raise InvalidProgram("constants", "a plain file name beside the manifest", name)
     path = folder / name
     try:
-        if path.stat().st_size > MAX_CONSTANTS_BYTES:
-            raise InvalidProgram("constants", f"at most {MAX_CONSTANTS_BYTES} bytes of constants",
-                                 path.stat().st_size)
-        arrays: dict[str, np.ndarray] = {}
-        with zipfile.ZipFile(path) as zf:
-            members = zf.infolist()
-            total = sum(i.file_size for i in members)
-            if total > MAX_CONSTANTS_BYTES:
-                raise InvalidProgram("constants", "constants that fit the size limit", total)
-            for info in members:
-                key = info.filename[:-4] if info.filename.endswith(".npy") else ""
-                if not key or key in arrays:
-                    raise InvalidProgram("constants", f"an .npz of distinct .npy members ({name})",
-                                         info.filename)
-                with zf.open(info) as member:
-                    arrays[key] = _read_npy(member, info.file_size, key, name, headers_only)
-        return arrays
+        # Opened without blocking (a FIFO would wait for a writer forever) and read only if it
+        # is a regular file: a device such as /dev/zero reports no size and never ends.
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        try:
+            _check_regular(fd, name)
+        except BaseException:
+            os.close(fd)
+            raise
+        with os.fdopen(fd, "rb") as f:
+            return _read_members(f, name, headers_only)
     except InvalidProgram:
         raise
     except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile, zlib.error,
@@ -612,6 +614,36 @@ def _read_npz(folder: Path, name: str, headers_only: bool = False) -> dict[str, 
         # RuntimeError: an encrypted member
         raise InvalidProgram("constants", f"a readable .npz file {name}",
                              f"{type(exc).__name__}: {exc}") from None
+
+
+def _check_regular(fd: int, name: str) -> None:
+    """Raise unless ``fd`` is a regular file within the size limit."""
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        raise InvalidProgram("constants", f"a regular .npz file ({name})",
+                             "a directory" if stat.S_ISDIR(info.st_mode) else
+                             "a device, pipe or socket")
+    if info.st_size > MAX_CONSTANTS_BYTES:
+        raise InvalidProgram("constants", f"at most {MAX_CONSTANTS_BYTES} bytes of constants",
+                             info.st_size)
+
+
+def _read_members(f: Any, name: str, headers_only: bool) -> dict[str, np.ndarray]:
+    """``_read_npz`` of the open, regular file ``f``."""
+    arrays: dict[str, np.ndarray] = {}
+    with zipfile.ZipFile(f) as zf:
+        members = zf.infolist()
+        total = sum(i.file_size for i in members)
+        if total > MAX_CONSTANTS_BYTES:
+            raise InvalidProgram("constants", "constants that fit the size limit", total)
+        for info in members:
+            key = info.filename[:-4] if info.filename.endswith(".npy") else ""
+            if not key or key in arrays:
+                raise InvalidProgram("constants", f"an .npz of distinct .npy members ({name})",
+                                     info.filename)
+            with zf.open(info) as member:
+                arrays[key] = _read_npy(member, info.file_size, key, name, headers_only)
+    return arrays
 
 
 def _read_npy(member: Any, size: int, key: str, name: str, headers_only: bool) -> np.ndarray:
@@ -667,9 +699,13 @@ class _Validator:
         if not isinstance(methods, dict) or not methods:
             raise InvalidProgram("methods", "a non-empty object of methods", methods)
         defs = {}
+        # Each method's names are looked up over the constants' table, built once: a program
+        # may have thousands of methods and of constants.
+        const_tensors = {k: (dtype_name(v.dtype), tuple(v.shape), "constant")
+                         for k, v in consts.items()}
         for mname, mdoc in methods.items():
             self._name(mname, member_path("methods", mname))
-            defs[mname] = self._method(mname, mdoc, consts)
+            defs[mname] = self._method(mname, mdoc, const_tensors)
         used = {n for m in defs.values() for s in m.steps if s.kind == "callable"
                 for n in [s.target]}
         callables = {k: v for k, v in self.callables.items() if k in used}
@@ -739,12 +775,13 @@ class _Validator:
                                      f"{dtype_name(have.dtype)}{list(have.shape)}")
         return consts
 
-    def _method(self, mname: str, mdoc: Any, consts: dict[str, np.ndarray]) -> MethodDef:
+    def _method(self, mname: str, mdoc: Any,
+                const_tensors: dict[str, tuple[str, tuple[int, ...], str]]) -> MethodDef:
         base = member_path("methods", mname)
         m = self._obj(mdoc, base, required=("inputs", "steps", "outputs"),
                       optional=("buffers",))
-        tensors: dict[str, tuple[str, tuple[int, ...], str]] = {
-            k: (dtype_name(v.dtype), tuple(v.shape), "constant") for k, v in consts.items()}
+        # The method's own names over the constants' (never copied: ChainMap writes the first)
+        tensors: ChainMap[str, tuple[str, tuple[int, ...], str]] = ChainMap({}, const_tensors)
         groups = {}
         total = 0
         for group in ("inputs", "buffers", "outputs"):
@@ -767,7 +804,7 @@ class _Validator:
         steps_doc = m["steps"]
         if not isinstance(steps_doc, list) or not steps_doc:
             raise InvalidProgram(f"{base}.steps", "a non-empty list of steps", steps_doc)
-        written = {k for k, v in tensors.items() if v[2] in ("constant", "inputs")}
+        written = {t.name for t in groups["inputs"]}  # and the constants (_step)
         steps = []
         for i, sdoc in enumerate(steps_doc):
             steps.append(self._step(f"{base}.steps[{i}]", sdoc, tensors, written))
@@ -778,7 +815,7 @@ class _Validator:
         return MethodDef(mname, groups["inputs"], groups["buffers"], tuple(steps),
                          groups["outputs"])
 
-    def _step(self, where: str, sdoc: Any, tensors: dict, written: set[str]) -> StepDef:
+    def _step(self, where: str, sdoc: Any, tensors: Mapping, written: set[str]) -> StepDef:
         s = self._obj(sdoc, where, required=("in", "out"),
                       optional=("kernel", "callable", "params"))
         kinds = [k for k in ("kernel", "callable") if k in s]
@@ -795,16 +832,18 @@ class _Validator:
                     raise InvalidProgram(f"{where}.{key}[{j}]", "the name of an input, buffer, "
                                          "output or constant of this method", n)
         for j, n in enumerate(ins):
-            if n not in written:
+            if n not in written and tensors[n][2] != "constant":
                 raise InvalidProgram(f"{where}.in[{j}]", "a tensor written by an earlier step "
                                      "(or an input or constant)", n)
+        read, seen = set(ins), set()  # sets: a step may name a million tensors
         for j, n in enumerate(outs):
             if tensors[n][2] in ("constant", "inputs"):
                 raise InvalidProgram(f"{where}.out[{j}]", "a buffer or output (inputs and "
                                      "constants are read-only)", n)
-            if n in ins or outs.index(n) != j:
+            if n in read or n in seen:
                 raise InvalidProgram(f"{where}.out[{j}]", "an output distinct from the step's "
                                      "other inputs and outputs", n)
+            seen.add(n)
         params = s.get("params", {})
         if not isinstance(params, dict):
             raise InvalidProgram(f"{where}.params", "an object of scalar params", params)
@@ -826,7 +865,7 @@ class _Validator:
         return StepDef(kind, target, tuple(ins), tuple(outs), MappingProxyType(dict(params)))
 
     def _kernel_step(self, where: str, target: Any, ins: list[str], outs: list[str],
-                     params: dict, tensors: dict) -> None:
+                     params: dict, tensors: Mapping) -> None:
         spec = _program_kernel(target, where)
         if len(ins) != spec.n_in:
             raise InvalidProgram(f"{where}.in", f"{spec.n_in} inputs for {spec.name}", len(ins))

@@ -890,3 +890,75 @@ def test_the_builder_refuses_what_a_file_would_and_takes_what_it_can():
     m.output(m.step("add", "x", m.step("fill", shape=(3,), value=7.5), out="y"))
     (y,) = b.finish().method("f", device=host)([np.ones(3, np.float32)])
     np.testing.assert_array_equal(y.to_host(), [8.5, 8.5, 8.5])
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs (POSIX)")
+@pytest.mark.parametrize("kind", ["/dev/zero", "a FIFO", "a directory"])
+def test_a_constants_file_that_is_no_regular_file_is_refused_at_once(tmp_path, kind):
+    """A symlink to /dev/zero (no size, endless) was read whole: memory ran out. A FIFO made
+    the load wait for a writer forever."""
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(manifest()))
+    constants = tmp_path / "p.npz"
+    if kind == "/dev/zero":
+        if not Path("/dev/zero").exists():
+            pytest.skip("no /dev/zero")
+        constants.symlink_to("/dev/zero")
+    elif kind == "a FIFO":
+        os.mkfifo(constants)
+    else:
+        constants.mkdir()
+    with pytest.raises(InvalidProgram, match=r"regular \.npz file") as info:
+        Program.load(path)
+    assert info.value.path == "constants"
+
+
+def test_validation_time_does_not_grow_with_the_product_of_two_sizes(tmp_path):
+    """A step naming a million inputs and thousands of outputs checked each output against
+    every input (minutes for a 4 MB manifest); a thousand methods each rebuilt the table of
+    ten thousand constants (16 s). Both are linear now; the generous bound only catches the
+    old quadratic cost."""
+    import time
+
+    doc = manifest()
+    outs = [f"o{i}" for i in range(5000)]
+    doc["methods"]["forward"]["buffers"] += [{"name": n, "dtype": "float32", "shape": [1]}
+                                             for n in outs]
+    doc["methods"]["forward"]["steps"][1] = {"kernel": "gelu", "in": ["h"] * 1_000_000,
+                                             "out": outs}
+    path = write(tmp_path, doc)
+    start = time.perf_counter()
+    with pytest.raises(InvalidProgram, match="1 inputs for gelu"):
+        Program.load(path)
+    assert time.perf_counter() - start < 10
+
+    constants = {f"c{i}": np.zeros(1, np.float32) for i in range(10_000)}
+    method = {"inputs": [{"name": "x", "dtype": "float32", "shape": [1]}],
+              "steps": [{"kernel": "relu", "in": ["x"], "out": ["y"]}],
+              "outputs": [{"name": "y", "dtype": "float32", "shape": [1]}]}
+    doc = {"format": 1, "name": "p", "constants": "p.npz",
+           "methods": {f"m{i}": method for i in range(1000)}}
+    path = write(tmp_path, doc, constants)
+    start = time.perf_counter()
+    program = Program.load(path)
+    assert time.perf_counter() - start < 10
+    assert len(program.methods) == 1000 and len(program.constants) == 10_000
+
+
+def test_a_path_holding_a_nul_is_invalid_argument():
+    with pytest.raises(InvalidArgument, match="NUL"):
+        Program.load("model\0.json")
+
+
+def test_the_builder_refuses_an_output_declared_twice():
+    """``m.output(y, y)`` was taken as one output, silently; a file saying so is refused."""
+    b = Program.build("p")
+    m = b.method("forward", x=("float32", [4]))
+    y = m.step("relu", "x")
+    with pytest.raises(InvalidProgram, match="declared once") as info:
+        m.output(y, y)
+    assert info.value.path == "methods.forward.outputs[1].name"
+    m.output(y)
+    with pytest.raises(InvalidProgram, match="declared once"):
+        m.output(y)
+    assert len(b.finish().methods["forward"].outputs) == 1
