@@ -261,6 +261,19 @@ class Result:
                               f"host wait), or share it zero-copy with np.from_dlpack(result) "
                               f"(host device) or torch / CuPy (CUDA)")
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Refused with a message saying what to do (pickle would otherwise fail inside, on a
+        lock): a Result names device memory of this process."""
+        raise TypeError(f"{self!r} is device memory of this process and does not pickle or "
+                        f"deep-copy: send result.to_host() (a numpy array) and upload it again "
+                        f"with Result.from_host(array, device)")
+
+    def __copy__(self) -> Result:
+        return self  # immutable: the same memory, the same event
+
+    def __deepcopy__(self, memo: Any) -> Result:
+        return self.__reduce_ex__(4)
+
     @classmethod
     def from_host(cls, array: Any, device: Device | str | None = None) -> Result:
         """Upload ``array`` (numpy, anything numpy can read, or a Result) to ``device``, keeping

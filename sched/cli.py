@@ -135,9 +135,9 @@ def _unusable_out(out: Path) -> str | None:
     an unusable --out is a usage error, not a traceback at the end."""
     from .demo import CONFIGS, output_files
 
-    if out.exists() and not out.is_dir():
-        return f"--out {out} is a file; name a folder (it is created if missing)"
     try:
+        if out.exists() and not out.is_dir():
+            return f"--out {out} is a file; name a folder (it is created if missing)"
         out.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=out):  # an existing folder may not be writable
             pass

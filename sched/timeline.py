@@ -11,6 +11,7 @@ is measured, not inferred: ``overlap() = sum of job durations / length of their 
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -112,6 +113,9 @@ class Timeline:
             events.append({"name": "thread_sort_index", "ph": "M", "pid": 1, "tid": i,
                            "args": {"sort_index": i}})
         for s in self.spans:
+            if not (math.isfinite(s.start_s) and math.isfinite(s.end_s)):  # not JSON (Perfetto
+                raise InvalidArgument(f"to_chrome_trace: {s} has a time that is not a finite "
+                                      f"number")  # refuses NaN), and not a span of ours
             events.append({"name": s.name, "cat": "job", "ph": "X", "pid": 1, "tid": tid[s.track],
                            "ts": round(s.start_s * 1e6, 3), "dur": round(s.duration_s * 1e6, 3),
                            "args": {"job": s.job, "lane": s.lane}})
@@ -176,6 +180,10 @@ def _path(path: object, what: str) -> Path:
     if not isinstance(path, (str, os.PathLike)):
         raise InvalidArgument(f"Timeline.{what} takes a file path (str or os.PathLike), got "
                               f"{type(path).__name__}")
+    text = os.fspath(path)
+    if isinstance(text, str) and (text.endswith(("/", os.sep)) or "\0" in text):
+        raise InvalidArgument(f"Timeline.{what} takes a file path, got {text!r} (a folder's "
+                              f"name, or a NUL character); name a file")
     path = Path(path)
     if path.is_dir():
         raise InvalidArgument(f"Timeline.{what} takes a file path, and {str(path)!r} is a "

@@ -19,12 +19,15 @@ def demo(*args, timeout=120, **kw):
                           capture_output=True, text=True, timeout=timeout, **kw)
 
 
-@pytest.mark.parametrize("where", ["under a file", "an existing unwritable folder"])
+@pytest.mark.parametrize("where", ["under a file", "an existing unwritable folder",
+                                   "a name too long"])
 def test_the_demo_refuses_an_unusable_out_before_running(tmp_path, where):
     if where == "under a file":
         blocker = tmp_path / "a-file"
         blocker.write_text("not a directory")
         out = blocker / "out"
+    elif where == "a name too long":  # ENAMETOOLONG from the first look at it: a traceback
+        out = tmp_path / ("a" * 300)
     else:  # /proc exists and takes no new files, even from root
         if not os.path.isdir("/proc"):
             pytest.skip("no /proc on this system")

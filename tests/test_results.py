@@ -692,3 +692,16 @@ def test_numpy_does_not_silently_wrap_a_result_in_an_object_array(device):
         with pytest.raises(InvalidArgument, match="to_host"):
             convert(r)
     np.testing.assert_array_equal(r.to_host(), np.arange(4))
+
+
+def test_a_result_refuses_pickle_and_deepcopy_saying_what_to_do(device):
+    """Both failed inside, on a lock (``cannot pickle '_thread.lock' object``)."""
+    import copy
+    import pickle
+
+    r = Result.from_host(np.arange(4, dtype=np.float32), device)
+    for refuse in (pickle.dumps, copy.deepcopy):
+        with pytest.raises(TypeError, match=r"to_host\(\)"):
+            refuse(r)
+    assert copy.copy(r) is r
+    np.testing.assert_array_equal(r.to_host(), np.arange(4))

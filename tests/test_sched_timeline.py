@@ -287,6 +287,22 @@ def test_exports_take_a_file_path(bad):
         timeline.plot(bad)
 
 
+def test_exports_refuse_a_folder_name_and_a_span_json_cannot_hold(tmp_path):
+    """``to_chrome_trace("traces/")`` wrote a file named ``traces``; a NaN time was written as
+    a bare ``NaN``, which is not JSON (Perfetto refuses the file)."""
+    timeline = Timeline([Span(0, "a", 0, "lane 0", 0.0, 1.0)])
+    for bad in (f"{tmp_path}/traces/", "a\0b.json"):
+        with pytest.raises(InvalidArgument, match="name a file"):
+            timeline.to_chrome_trace(bad)
+        with pytest.raises(InvalidArgument, match="name a file"):
+            timeline.plot(bad)
+    assert not (tmp_path / "traces").exists()
+    for t in (float("nan"), float("inf")):
+        with pytest.raises(InvalidArgument, match="finite"):
+            Timeline([Span(0, "a", 0, "lane 0", 0.0, t)]).to_chrome_trace(tmp_path / "t.json")
+    assert not (tmp_path / "t.json").exists()
+
+
 def test_plot_writes_a_png_at_the_path_it_returns(tmp_path):
     """The path returned is the file written: a missing suffix gets .png, another suffix and
     a directory are refused (a directory for the trace too)."""
