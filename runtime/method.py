@@ -324,13 +324,13 @@ class Method:
         stream = current_stream(device)
         # A closed stream, or another thread's per-thread one, is refused before anything is
         # touched: a refusal partway would leave readied buffers with no event to order by.
-        stream._usable()
+        impl = stream._usable()
         key = stream.key
         used: list[Buffer] = []  # memory of others this execute touches, and its outputs' (rule 8)
         pooled: list[PooledBuffer] = []  # the output buffers taken, in output order
         previous = self._outputs
         try:  # an interrupt (Ctrl-C) may land anywhere up to the end: ordered as a failure
-            event = self._enqueue(stream, key, start, used, pooled)
+            event = self._enqueue(stream, impl, key, start, used, pooled)
             self._note(key, event, used)
             self._outputs = [Result(p.array, event, key, _Holder(p)) for p in pooled] \
                 if pooled else [Result(view, event, key, view_only=True) for view in self._views]
@@ -342,8 +342,8 @@ class Method:
             self._order_after_failure(stream, key, used)
             raise
 
-    def _enqueue(self, stream: Stream, key: Any, start: Event | None, used: list[Buffer],
-                 pooled: list[PooledBuffer]) -> Event:
+    def _enqueue(self, stream: Stream, impl: Any, key: Any, start: Event | None,
+                 used: list[Buffer], pooled: list[PooledBuffer]) -> Event:
         """Enqueue one execute on ``stream``: the handoff, the inputs, the steps; returns the
         event recorded after them. ``used`` and ``pooled`` fill as it goes, so that a failure
         partway knows what it touched (``_order_after_failure``)."""
@@ -411,7 +411,7 @@ class Method:
         # A single output's buffer lends its event: no Result holds that buffer now, so no
         # live Result's event moves (see PooledBuffer). Several outputs: a new event.
         event = pooled[0].event if len(pooled) == 1 else device.create_event()
-        device._record(event, stream._usable())  # stream.record without its re-checks
+        device._record(event, impl)  # stream.record without its re-checks
         return event
 
     def _order_after_failure(self, stream: Stream, key: Any, used: list[Buffer]) -> None:
