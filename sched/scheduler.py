@@ -45,6 +45,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 import warnings
 import weakref
 from collections import deque
@@ -86,6 +87,9 @@ YIELD_SHARED_S = 0.0001
 # Leaving the scheduler waits for each pending job's settle; one not settled within this long
 # is looked at directly, in case its settle callback was lost (``Scheduler._recover``).
 _RECOVER_AFTER_S = 0.1
+# Failed jobs whose error nobody has seen yet, kept for leaving to raise the first: the first
+# this many of them (a service whose clients give up on failed requests must not keep all).
+UNOBSERVED_KEPT = 32
 
 
 def _nothing() -> None:
@@ -218,7 +222,7 @@ class Scheduler:
         self._yielded_at = 0.0  # when an await last yielded to the loop (YIELD_EVERY_S)
         self._yielding = 0  # tasks suspended in yield_to_loop: ready to run (YIELD_SHARED_S)
         self._unobserved: list[Job] = []  # failed jobs whose error nobody may have seen
-        self._unobserved_next = 64  # its length at which those seen since are dropped
+        self._unobserved_next = 2 * UNOBSERVED_KEPT  # its length at which it is pruned
         self._methods: weakref.WeakKeyDictionary[Method, _MethodState] = \
             weakref.WeakKeyDictionary()
         self._ids = itertools.count()
@@ -862,14 +866,18 @@ class Scheduler:
         assert lane.slots is not None
         lane.slots.release()
         if job._error is not None and job._state != CANCELLED:
+            # Its traceback's finished frames let go of their locals (the job's inputs among
+            # them): a failed job a client gave up on keeps its error, not its data.
+            traceback.clear_frames(job._error_tb)
             # Kept until its error has been seen (an await, exception()): leaving raises the
-            # first error nobody saw. Those seen are dropped now and then, so a long-lived
-            # scheduler does not keep every failed job (and its traceback).
+            # first error nobody saw. Those seen are dropped now and then, and of those unseen
+            # only the first UNOBSERVED_KEPT, so a long-lived scheduler whose clients give up
+            # on failed jobs does not keep every one of them.
             unobserved = self._unobserved
             unobserved.append(job)
             if len(unobserved) >= self._unobserved_next:
-                unobserved[:] = [j for j in unobserved if not j._retrieved]
-                self._unobserved_next = max(64, 2 * len(unobserved))
+                unobserved[:] = [j for j in unobserved if not j._retrieved][:UNOBSERVED_KEPT]
+                self._unobserved_next = 2 * UNOBSERVED_KEPT
 
     def finish_batch(self, jobs: list[Job], error: BaseException | None) -> None:
         for job in jobs:

@@ -3,6 +3,7 @@ cancel storm), unobserved errors. Every test runs on asyncio, uvloop and trio.""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import random
 import threading
@@ -118,6 +119,43 @@ async def test_an_unobserved_failure_is_raised_on_exit(host):
             job = await sched.submit(method, [np.zeros((3, 3), np.float32)])
             await wait_until(job.done)
     assert job.state == "failed"
+
+
+async def test_failed_jobs_nobody_looks_at_do_not_keep_their_inputs_or_pile_up(host):
+    """A service whose clients give up before their failed job is settled (a bad 1 MiB input,
+    the await cancelled at once): every failed job was kept until exit, and with it its
+    inputs, through the frames of its traceback (1 MiB a request: 600 MiB after 600). Now the
+    traceback's frames let go of their locals and only the first few unseen jobs are kept;
+    leaving still raises the first error nobody saw."""
+    import tracemalloc
+
+    from streamlane.sched.scheduler import UNOBSERVED_KEPT
+
+    method = double_program().method("forward", device=host)
+    bad = np.zeros((512, 512), np.float32)  # 1 MiB, the wrong shape: refused at enqueue
+    grown = kept = None
+    tracemalloc.start()
+    try:
+        with pytest.raises(InvalidInput) as info:
+            with anyio.fail_after(60):
+                async with Scheduler(host, lanes=1) as sched:
+                    base = tracemalloc.get_traced_memory()[0]
+                    for _ in range(300):
+                        job = await sched.submit(method, [bad])
+                        with anyio.move_on_after(0):  # the client gave up (or, the job
+                            with contextlib.suppress(InvalidInput):  # failed first, saw it)
+                                await job
+                    del job
+                    while sched.pending:
+                        await anyio.sleep(0.01)
+                    gc.collect()
+                    grown = tracemalloc.get_traced_memory()[0] - base
+                    kept = len(sched._unobserved)
+    finally:
+        tracemalloc.stop()
+    assert grown < 40 * 2**20, f"{grown / 2**20:.0f} MiB kept by 300 failed jobs"
+    assert kept <= 2 * UNOBSERVED_KEPT, kept
+    assert info.value.method == method.name  # leaving raised an error nobody had seen
 
 
 async def test_cancelling_an_await_leaves_the_job_running(device):
