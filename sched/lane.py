@@ -608,8 +608,8 @@ class Lane:
 
     def _not_run(self, job: Job, state: str, error: BaseException) -> None:
         with self._lock:
-            self._uncount(job)
-            self._completed += 1
+            if self._uncount(job):  # else the loop has counted it (not_run_here)
+                self._completed += 1
         job._not_run_state = state
         job._publish(None, None, error)
         self._core.waker.post(_Call(self._core.finish, job, state, error))

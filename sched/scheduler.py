@@ -841,7 +841,15 @@ class Scheduler:
 
     def _fail_pending(self) -> None:
         for job in list(self._pending):
-            self.finish(job, FAILED, self.broken_error())
+            error = self.broken_error()
+            # Counted as completed now, not when its lane's threads get to it, so that
+            # statistics() agree with the jobs' states at once.
+            if job._abandon(error):  # no lane had taken it: none will run it now
+                job._not_run_state = FAILED
+                job.lane.not_run_here(job)
+            elif job._is_published and job._enqueue_error is None:  # in flight: claimed here
+                job.lane._settle([job], error)  # (its waiter then skips it); settled below
+            self.finish(job, FAILED, error)
 
     def finish(self, job: Job, state: str, error: BaseException | None) -> None:
         """Settle ``job`` (loop thread). Its room, count and pin are given back once, even

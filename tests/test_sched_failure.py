@@ -53,6 +53,51 @@ async def test_a_device_failure_fails_every_pending_job_and_breaks_the_scheduler
                     await sched.submit(first, [data(2)])
 
 
+async def test_statistics_agree_with_the_jobs_a_device_failure_failed(host, monkeypatch):
+    """Jobs still queued for a lane thread when the device failed were settled as failed on the
+    loop, but counted only once their lane's thread got to them: statistics() said queued=3,
+    completed=0 for a lane whose jobs had all been awaited (here its thread is held inside
+    its first job's execute, so it cannot get to the others)."""
+    from streamlane.runtime.method import Method
+
+    slow, second, third, faulty = (double_program(n).method("forward", device=host)
+                                   for n in ("slow", "second", "third", "faulty"))
+    gate, inside = threading.Event(), threading.Event()
+    call = Method.__call__
+
+    def held_call(self, values, **kw):
+        if self is slow and not gate.is_set():
+            inside.set()
+            gate.wait(10)
+        return call(self, values, **kw)
+
+    monkeypatch.setattr(Method, "__call__", held_call)
+    held = host.create_stream()
+    with anyio.fail_after(30):
+        async with Scheduler(host, lanes=2) as sched:
+            try:
+                j0 = await sched.submit(slow, [data(0)], lane=0)
+                await wait_until(inside.is_set)  # lane 0's thread is inside j0's execute
+                j2 = await sched.submit(second, [data(1)], lane=0)
+                j3 = await sched.submit(third, [data(2)], lane=0)
+                with host.create_latch() as latch:
+                    latch.hold(held)
+                    host.inject_failure(held, "injected kernel fault")
+                    j1 = await sched.submit(faulty, [data(3)], lane=1, stream=held)
+                    await wait_until(lambda: j1.state == "running")
+                    latch.release()
+                    for job in (j1, j2, j3):
+                        with pytest.raises(SchedulerBroken):
+                            await job
+                lane0, lane1 = sched.statistics()
+                assert (lane0.queued, lane0.in_flight, lane0.completed) == (1, 0, 2), lane0
+                assert (lane1.queued, lane1.in_flight, lane1.completed) == (0, 0, 1), lane1
+            finally:
+                gate.set()
+            with pytest.raises(SchedulerBroken):
+                await j0
+
+
 @pytest.mark.parametrize("dependent_lane", [1, 0], ids=["other lane", "same lane"])
 @pytest.mark.parametrize("how", ["output", "after"])
 async def test_a_refused_input_fails_its_job_and_its_dependents_only(host, dependent_lane, how):
