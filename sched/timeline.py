@@ -10,6 +10,7 @@ is measured, not inferred: ``overlap() = sum of job durations / length of their 
 
 from __future__ import annotations
 
+import heapq
 import json
 import math
 import os
@@ -20,6 +21,10 @@ from pathlib import Path
 from streamlane.runtime.errors import InvalidArgument
 
 __all__ = ["Span", "Timeline"]
+
+
+# Past this many tracks, plot() packs the caller streams' spans into rows (Timeline._rows).
+PLOT_ROWS = 48
 
 
 @dataclass(frozen=True)
@@ -128,7 +133,8 @@ class Timeline:
 
     def plot(self, path: str | Path, title: str | None = None) -> Path:
         """Write a PNG timeline (matplotlib, Agg; no global backend change), one row per lane
-        and caller stream. A path without a suffix gets ``.png``; another suffix than
+        and caller stream (past ``PLOT_ROWS`` tracks, the caller streams' spans packed into
+        rows: ``_rows``). A path without a suffix gets ``.png``; another suffix than
         ``.png`` is refused. Returns the path written."""
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -139,7 +145,7 @@ class Timeline:
         elif path.suffix.lower() != ".png":
             raise InvalidArgument(f"Timeline.plot writes a PNG; give a path ending in .png, got "
                                   f"{str(path)!r} (to_chrome_trace() writes the JSON trace)")
-        tracks = self.tracks()
+        tracks, rows = self._rows()
         fig = Figure(figsize=(10, 1.2 + 0.5 * max(1, len(tracks))), dpi=100)
         FigureCanvasAgg(fig)
         ax = fig.add_subplot()
@@ -147,8 +153,7 @@ class Timeline:
         names = sorted({s.name for s in self.spans})
         palette = [f"C{i % 10}" for i in range(len(names))]
         colour = dict(zip(names, palette, strict=True))
-        for row, track in enumerate(tracks):
-            spans = [s for s in self.spans if s.track == track]
+        for row, spans in enumerate(rows):
             for name in names:
                 bars = [((s.start_s - t0) * 1e3, max(s.duration_s * 1e3, 1e-3))
                         for s in spans if s.name == name]
@@ -170,6 +175,34 @@ class Timeline:
         path.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, format="png")
         return path
+
+    def _rows(self) -> tuple[list[str], list[list[Span]]]:
+        """The plot's rows: a row per track, or, past ``PLOT_ROWS`` tracks (a caller stream
+        per request), a row per lane's own stream and the caller streams' spans packed into
+        as few rows as never overlap in time (a PNG of thousands of rows helps nobody)."""
+        by_track: dict[str, list[Span]] = {}
+        for s in self.spans:
+            by_track.setdefault(s.track, []).append(s)
+        tracks = self.tracks()
+        if len(tracks) <= PLOT_ROWS:
+            return tracks, [by_track[t] for t in tracks]
+        own = [t for t in tracks if t == f"lane {by_track[t][0].lane}"]
+        rows = [by_track[t] for t in own]
+        ends: list[tuple[float, int]] = []  # (end of the row's last span, row), a heap
+        packed: list[list[Span]] = []
+        for s in self.spans:  # by start
+            if s.track in own:
+                continue
+            if ends and ends[0][0] <= s.start_s:
+                _, row = heapq.heappop(ends)
+            else:
+                row = len(packed)
+                packed.append([])
+            packed[row].append(s)
+            heapq.heappush(ends, (s.end_s, row))
+        streams = len(tracks) - len(own)
+        return own + [f"{streams} caller streams, row {i + 1}" for i in range(len(packed))], \
+            rows + packed
 
     def __repr__(self) -> str:
         return (f"<Timeline {len(self.spans)} jobs, {len(self.tracks())} tracks, overlap "

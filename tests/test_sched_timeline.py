@@ -303,6 +303,31 @@ def test_exports_refuse_a_folder_name_and_a_span_json_cannot_hold(tmp_path):
     assert not (tmp_path / "t.json").exists()
 
 
+def test_a_plot_of_thousands_of_caller_streams_packs_them_into_rows(tmp_path):
+    """A caller stream per request gave a row per stream: 2,000 requests made a 100,000-pixel
+    tall PNG in 29 s. Past PLOT_ROWS tracks the caller streams' spans share as few rows as
+    never overlap (here 8 at a time: 8 rows), beside each lane's own row."""
+    import matplotlib.image
+
+    from streamlane.sched.timeline import PLOT_ROWS
+
+    spans = [Span(0, "own", 0, "lane 0", 0.0, 0.5)]
+    for i in range(2000):  # 8 side by side at any time, each on a stream of its own
+        start = (i // 8) * 1.0
+        spans.append(Span(i + 1, "req", i % 2, f"lane {i % 2} stream {i:#x}", start,
+                          start + 0.9))
+    timeline = Timeline(spans)
+    tracks, rows = timeline._rows()
+    assert len(tracks) == len(rows) == 1 + 8 < PLOT_ROWS
+    assert sorted(s.job for row in rows for s in row) == list(range(2001))
+    for row in rows:  # no two spans of a row overlap
+        assert all(a.end_s <= b.start_s for a, b in itertools.pairwise(row))
+    start = time.perf_counter()
+    path = timeline.plot(tmp_path / "many.png")
+    assert time.perf_counter() - start < 20
+    assert matplotlib.image.imread(path).shape[0] < 2000
+
+
 def test_plot_writes_a_png_at_the_path_it_returns(tmp_path):
     """The path returned is the file written: a missing suffix gets .png, another suffix and
     a directory are refused (a directory for the trace too)."""
