@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from streamlane.runtime import CallerStream, Device, Event, current_stream
-from streamlane.runtime.errors import DeviceError, InvalidState, MethodBusy
+from streamlane.runtime.errors import DeviceError, MethodBusy
 from streamlane.runtime.stream import no_caller_stream
 
 from .errors import DependencyFailed, SchedulerClosed
@@ -461,7 +461,7 @@ class Lane:
             method = job.method
             # One call, under the method's guard throughout: another thread's use of the method
             # (another scheduler's lane, a direct m(x)) between set_inputs and execute would
-            # run this job on its inputs; it is refused with InvalidState instead (rule 4).
+            # run this job on its inputs; it is refused with MethodBusy instead (rule 4).
             results = method(inputs, start=start)
             # Without timing, the method's own end-of-execute event (recorded last on this
             # stream; it does not move while the job holds the outputs) marks completion. With
@@ -481,8 +481,8 @@ class Lane:
                     f"it enqueued the job; part of its work may have reached the device"))
                 job._retrieved = True
                 raise
-            if isinstance(exc, MethodBusy):  # the runtime's words are for threads
-                busy = InvalidState(
+            if isinstance(exc, MethodBusy):  # the runtime's words are for threads; its
+                busy = MethodBusy(  # type stays, for `except MethodBusy` (retry later)
                     f"{job.label} was not run: its method {job.method.name} was in use by "
                     f"another thread at that moment (another scheduler's lane, or a direct "
                     f"call such as m(x)); a method is driven by one scheduler at a time: bind "

@@ -933,6 +933,7 @@ async def test_a_method_in_use_by_another_scheduler_fails_the_job_with_a_clear_e
     from streamlane.runtime.errors import MethodBusy
 
     assert isinstance(info.value.__cause__, MethodBusy)  # the runtime's own, kept as the cause
+    assert isinstance(info.value, MethodBusy)  # and its type: `except MethodBusy` may retry
     message = str(info.value)
     assert message.startswith(f"<Job #{refused.id} shared.forward lane=0> was not run") and \
         "one method per scheduler" in message
