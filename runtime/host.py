@@ -183,9 +183,9 @@ class HostDevice(Device):
 
     def _record(self, event: Event, stream_impl: _Worker) -> None:
         marker = _Marker()
-        event._impl.marker = marker
+        stream_impl.put(marker.reach)  # first: a record that fails leaves the event as it was
+        event._impl.marker = marker  # (as on CUDA), not waiting for a marker nothing reaches
         event.recorded = True
-        stream_impl.put(marker.reach)
 
     def _event_query(self, event: Event) -> bool:
         self._raise_if_faulted()

@@ -411,7 +411,10 @@ class Method:
         # A single output's buffer lends its event: no Result holds that buffer now, so no
         # live Result's event moves (see PooledBuffer). Several outputs: a new event.
         event = pooled[0].event if len(pooled) == 1 else device.create_event()
-        device._record(event, impl)  # stream.record without its re-checks
+        # stream.record without its re-checks; the stream was checked before the first step,
+        # but another thread may have closed it since (a created stream a CallerStream holds
+        # is not pinned): a record there would fail, so it is refused here, before the event
+        device._record(event, impl if not stream._closed else stream._usable())
         return event
 
     def _order_after_failure(self, stream: Stream, key: Any, used: list[Buffer]) -> None:

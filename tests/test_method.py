@@ -817,3 +817,53 @@ def test_a_failed_execute_keeps_the_last_outputs_unless_it_may_have_rewritten_th
             m.get_outputs()
     m.execute()
     check(p, [x], m.get_outputs())
+
+
+def test_a_caller_stream_closed_by_another_thread_before_the_last_record_hangs_nothing(host):
+    """Another thread closed the execute's caller stream (a CallerStream does not pin it)
+    between the last step and the execute's final event record. The record reused the stream
+    checked before the first step and failed after marking the event recorded: the method's
+    last event and its output buffer's event then waited for a marker nothing would reach,
+    and the next execute, from this thread's stream, hung in its rule-4 wait. Forced here at
+    that line (sys.settrace); it also happened by chance, about 1 run in 80."""
+    import inspect
+    import sys
+    import threading
+
+    from streamlane.runtime import method as method_module
+    from streamlane.runtime.errors import StreamClosed
+
+    p = mlp()
+    m = p.method("forward", device=host)
+    x = x_for(p)
+    lines = inspect.getsourcelines(method_module)[0]
+    target = next(i for i, text in enumerate(lines, 1) if "device._record(event, impl" in text)
+    stream = host.create_stream()
+    with CallerStream(stream):
+        m([x])[0].to_host()
+    fired = []
+
+    def local(frame, event, arg):
+        if event == "line" and frame.f_lineno == target and not fired:
+            fired.append(True)
+            closer = threading.Thread(target=stream.close)
+            closer.start()
+            closer.join()
+        return local
+
+    def tracer(frame, event, arg):
+        return local if frame.f_code.co_filename == method_module.__file__ else None
+
+    sys.settrace(tracer)
+    try:
+        with CallerStream(stream), pytest.raises(StreamClosed):
+            m([x])
+    finally:
+        sys.settrace(None)
+    assert fired
+    result = []
+    thread = threading.Thread(target=lambda: result.append(m([x])[0].to_host()), daemon=True)
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive(), "the next execute waited for an event nothing will reach"
+    check(p, [x], [Result.from_host(result[0], host)])
