@@ -473,6 +473,10 @@ class Lane:
             self._not_run(job, FAILED, core.broken_error() or exc)
             return False
         except BaseException as exc:  # the job's own error (bad input, closed stream, ...)
+            # This frame stays in the error's traceback once it returns: it lets go of the
+            # inputs (the frames below it are cleared when the job settles, this one is
+            # still running then: Scheduler._account_finished).
+            inputs = None
             if on_loop and not isinstance(exc, Exception):
                 # Ctrl-C on the loop thread: the caller gets it, once (it was swallowed into
                 # the job); the job fails with an error of its own, not the interrupt again.

@@ -39,13 +39,13 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import inspect
 import itertools
 import operator
 import os
 import sys
 import threading
 import time
-import traceback
 import warnings
 import weakref
 from collections import deque
@@ -90,6 +90,32 @@ _RECOVER_AFTER_S = 0.1
 # Failed jobs whose error nobody has seen yet, kept for leaving to raise the first: the first
 # this many of them (a service whose clients give up on failed requests must not keep all).
 UNOBSERVED_KEPT = 32
+
+
+# Frames that belong to a generator or coroutine: clearing one finalizes it, even suspended
+# (a task's frame may sit in a traceback raised twice, as Future.result() re-raises).
+_SUSPENDABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
+
+
+def _forget_locals(error: BaseException | None, tb: TracebackType | None) -> None:
+    """Clear the local variables of the plain functions' finished frames in ``error``'s
+    traceback ``tb`` and those of its causes and contexts: the lines stay for the report."""
+    seen: set[int] = set()
+    pending: list[tuple[BaseException | None, TracebackType | None]] = [(error, tb)]
+    while pending:
+        exc, tb = pending.pop()
+        while tb is not None:
+            frame = tb.tb_frame
+            if not frame.f_code.co_flags & _SUSPENDABLE:
+                try:
+                    frame.clear()
+                except RuntimeError:  # still running (on some thread's stack): left alone
+                    pass
+            tb = tb.tb_next
+        for nxt in (exc.__cause__, exc.__context__) if exc is not None else ():
+            if nxt is not None and id(nxt) not in seen:
+                seen.add(id(nxt))
+                pending.append((nxt, nxt.__traceback__))
 
 
 def _nothing() -> None:
@@ -876,7 +902,7 @@ class Scheduler:
         if job._error is not None and job._state != CANCELLED:
             # Its traceback's finished frames let go of their locals (the job's inputs among
             # them): a failed job a client gave up on keeps its error, not its data.
-            traceback.clear_frames(job._error_tb)
+            _forget_locals(job._error, job._error_tb)
             # Kept until its error has been seen (an await, exception()): leaving raises the
             # first error nobody saw. Those seen are dropped now and then, and of those unseen
             # only the first UNOBSERVED_KEPT, so a long-lived scheduler whose clients give up
@@ -884,7 +910,10 @@ class Scheduler:
             unobserved = self._unobserved
             unobserved.append(job)
             if len(unobserved) >= self._unobserved_next:
-                unobserved[:] = [j for j in unobserved if not j._retrieved][:UNOBSERVED_KEPT]
+                unseen = [j for j in unobserved if not j._retrieved]
+                # The first few, and the latest: should the first all be seen later, leaving
+                # still has one nobody saw to raise.
+                unobserved[:] = unseen[:UNOBSERVED_KEPT] + unseen[UNOBSERVED_KEPT:][-1:]
                 self._unobserved_next = 2 * UNOBSERVED_KEPT
 
     def finish_batch(self, jobs: list[Job], error: BaseException | None) -> None:

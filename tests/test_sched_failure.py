@@ -12,10 +12,10 @@ import time
 import anyio
 import numpy as np
 import pytest
-from sched_helpers import BACKENDS, data, double_program, wait_threads, wait_until
+from sched_helpers import BACKENDS, Gate, data, double_program, wait_threads, wait_until
 
 from streamlane.runtime import Result
-from streamlane.runtime.errors import DeviceError, InvalidInput
+from streamlane.runtime.errors import DeviceError, InvalidInput, MethodBusy
 from streamlane.runtime.result import TRIM_AFTER
 from streamlane.sched import DependencyFailed, Job, Scheduler, SchedulerBroken
 
@@ -201,6 +201,100 @@ async def test_failed_jobs_nobody_looks_at_do_not_keep_their_inputs_or_pile_up(h
     assert grown < 40 * 2**20, f"{grown / 2**20:.0f} MiB kept by 300 failed jobs"
     assert kept <= 2 * UNOBSERVED_KEPT, kept
     assert info.value.method == method.name  # leaving raised an error nobody had seen
+
+
+async def test_leaving_raises_an_unseen_error_after_the_first_kept_ones_were_seen(host):
+    """Of the failed jobs nobody has seen, the scheduler keeps the first 32 past each pruning.
+    When those were all seen later (exception()), the unseen ones after them had been dropped
+    and leaving raised nothing: it now keeps the latest unseen too."""
+    from streamlane.sched.scheduler import UNOBSERVED_KEPT
+
+    method = double_program().method("forward", device=host)
+    bad = np.zeros((3, 3), np.float32)
+    jobs = []
+    with pytest.raises(InvalidInput) as info:
+        with anyio.fail_after(60):
+            async with Scheduler(host, lanes=1) as sched:
+                for _ in range(2 * UNOBSERVED_KEPT):
+                    jobs.append(await sched.submit(method, [bad]))
+                await wait_until(lambda: all(j.done() for j in jobs))
+                for job in jobs[:UNOBSERVED_KEPT]:
+                    assert isinstance(job.exception(), InvalidInput)  # seen
+    assert info.value is jobs[-1]._error and jobs[-1]._retrieved
+
+
+class _Stop(BaseException):
+    pass
+
+
+async def test_a_failed_jobs_traceback_holding_a_suspended_task_leaves_the_task_alone(host):
+    """An input raised a stored BaseException instance a task had caught before (as
+    ``Future.result()`` re-raises one): the job's traceback then held that task's frame,
+    suspended in an await. Clearing the traceback's frames (to let go of the job's inputs)
+    finalized the task (GeneratorExit at its await) and its task group hung."""
+    import concurrent.futures
+
+    future = concurrent.futures.Future()
+    future.set_exception(_Stop("upstream failed"))
+
+    class Lazy:  # read when the lane runs the job
+        def __array__(self, dtype=None, copy=None):
+            return future.result()
+
+    method = double_program().method("forward", device=host)
+    log = []
+
+    async def client(sched):
+        try:
+            future.result()  # the task sees the failure itself first
+        except _Stop:
+            pass
+        job = await sched.submit(method, [Lazy()])
+        await anyio.sleep(0.3)  # suspended here while the job fails and settles
+        log.append(job.state)
+
+    with pytest.raises(_Stop):
+        with anyio.fail_after(20):
+            async with Scheduler(host, lanes=1) as sched, anyio.create_task_group() as tasks:
+                tasks.start_soon(client, sched)
+    assert log == ["failed"]
+
+
+async def test_a_job_refused_because_its_method_was_busy_lets_go_of_its_inputs(host):
+    """The refusal's cause, the runtime's MethodBusy, carried a traceback whose frames held
+    the inputs; the lane's own frame held them too."""
+    import weakref
+
+    class Big:
+        def __init__(self):
+            self.payload = np.zeros(1 << 20, np.uint8)
+
+        def __array__(self, dtype=None, copy=None):
+            return data(1)
+
+    method = double_program().method("forward", device=host)
+    gate = Gate(data(0))
+    holder = threading.Thread(target=lambda: method([gate]))  # another thread holds it
+    holder.start()
+    refs = []
+    try:
+        await wait_until(gate.entered.is_set)
+        with pytest.raises(MethodBusy):
+            with anyio.fail_after(30):
+                async with Scheduler(host, lanes=1) as sched:
+                    for _ in range(5):
+                        big = Big()
+                        refs.append(weakref.ref(big))
+                        job = await sched.submit(method, [big])
+                        del big
+                        await wait_until(job.done)
+                        del job
+                    gc.collect()
+                    alive = sum(ref() is not None for ref in refs)
+    finally:
+        gate.open()
+        holder.join(10)
+    assert alive == 0, f"{alive} of 5 refused jobs' inputs still alive"
 
 
 async def test_cancelling_an_await_leaves_the_job_running(device):
