@@ -14,7 +14,6 @@ import unicodedata
 import uuid
 import zipfile
 import zlib
-from collections import ChainMap
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -417,10 +416,12 @@ class MethodBuilder:
 
     def output(self, *names: str) -> None:
         """Declare the method's outputs, in order (names of steps' outputs); one name once."""
+        declared = set(self._outputs)
         for j, name in enumerate(names):
-            if name in self._outputs or name in names[:j]:
+            if name in declared:
                 where = f"{member_path('methods', self.name)}.outputs[{len(self._outputs) + j}]"
                 raise InvalidProgram(f"{where}.name", "an output declared once", name)
+            declared.add(name)
         self._outputs.extend(names)
 
     def _declare(self, name: str, dtype: str, shape: Sequence[int]) -> None:
@@ -667,6 +668,23 @@ def _read_npy(member: Any, size: int, key: str, name: str, headers_only: bool) -
     return npy_format.read_array(member, allow_pickle=False)
 
 
+class _Names(dict):
+    """A method's tensors by name (dtype, shape, group), over the program's constants: looked
+    up as one dict (both tables are plain dicts: a lookup stays C-speed on wide steps)."""
+
+    __slots__ = ("consts",)
+
+    def __init__(self, consts: dict[str, tuple[str, tuple[int, ...], str]]):
+        super().__init__()
+        self.consts = consts
+
+    def __missing__(self, name: str) -> tuple[str, tuple[int, ...], str]:
+        return self.consts[name]
+
+    def __contains__(self, name: object) -> bool:
+        return dict.__contains__(self, name) or name in self.consts
+
+
 class _Validator:
     def __init__(self, doc: Any, constants: dict[str, np.ndarray], callables: dict[str, StepFn],
                  folder: Path | None = None):
@@ -780,8 +798,9 @@ class _Validator:
         base = member_path("methods", mname)
         m = self._obj(mdoc, base, required=("inputs", "steps", "outputs"),
                       optional=("buffers",))
-        # The method's own names over the constants' (never copied: ChainMap writes the first)
-        tensors: ChainMap[str, tuple[str, tuple[int, ...], str]] = ChainMap({}, const_tensors)
+        # The method's own names beside the constants' table (shared by every method, never
+        # copied: a program may have thousands of each); _Names looks in both.
+        tensors = _Names(const_tensors)
         groups = {}
         total = 0
         for group in ("inputs", "buffers", "outputs"):
