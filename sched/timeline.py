@@ -117,10 +117,8 @@ class Timeline:
                            "args": {"name": track}})
             events.append({"name": "thread_sort_index", "ph": "M", "pid": 1, "tid": i,
                            "args": {"sort_index": i}})
+        self._check_finite("to_chrome_trace")
         for s in self.spans:
-            if not (math.isfinite(s.start_s) and math.isfinite(s.end_s)):  # not JSON (Perfetto
-                raise InvalidArgument(f"to_chrome_trace: {s} has a time that is not a finite "
-                                      f"number")  # refuses NaN), and not a span of ours
             events.append({"name": s.name, "cat": "job", "ph": "X", "pid": 1, "tid": tid[s.track],
                            "ts": round(s.start_s * 1e6, 3), "dur": round(s.duration_s * 1e6, 3),
                            "args": {"job": s.job, "lane": s.lane}})
@@ -145,6 +143,7 @@ class Timeline:
         elif path.suffix.lower() != ".png":
             raise InvalidArgument(f"Timeline.plot writes a PNG; give a path ending in .png, got "
                                   f"{str(path)!r} (to_chrome_trace() writes the JSON trace)")
+        self._check_finite("plot")
         tracks, rows = self._rows()
         fig = Figure(figsize=(10, 1.2 + 0.5 * max(1, len(tracks))), dpi=100)
         FigureCanvasAgg(fig)
@@ -176,6 +175,14 @@ class Timeline:
         fig.savefig(path, format="png")
         return path
 
+    def _check_finite(self, what: str) -> None:
+        """A span's times in microseconds must be finite numbers: JSON has no NaN or infinity
+        (Perfetto refuses the file), and no plot can place one. No span of ours is."""
+        for s in self.spans:
+            if not (math.isfinite(s.start_s * 1e6) and math.isfinite(s.duration_s * 1e6)):
+                raise InvalidArgument(f"Timeline.{what}: {s} has a time that is not a finite "
+                                      f"number of microseconds")
+
     def _rows(self) -> tuple[list[str], list[list[Span]]]:
         """The plot's rows: a row per track, or, past ``PLOT_ROWS`` tracks (a caller stream
         per request), a row per lane's own stream and the caller streams' spans packed into
@@ -201,8 +208,16 @@ class Timeline:
             packed[row].append(s)
             heapq.heappush(ends, (s.end_s, row))
         streams = len(tracks) - len(own)
-        return own + [f"{streams} caller streams, row {i + 1}" for i in range(len(packed))], \
-            rows + packed
+        if len(own) + len(packed) <= PLOT_ROWS:
+            return own + [f"{streams} caller streams, row {i + 1}"
+                          for i in range(len(packed))], rows + packed
+        # Still too many (more jobs side by side than rows): fold them, drawn over each other.
+        fold = max(1, PLOT_ROWS - len(own))
+        folded: list[list[Span]] = [[] for _ in range(fold)]
+        for i, row in enumerate(packed):
+            folded[i % fold].extend(row)
+        return own + [f"{streams} caller streams, row {i + 1} of {fold} (folded: jobs overlap)"
+                      for i in range(fold)], rows + folded
 
     def __repr__(self) -> str:
         return (f"<Timeline {len(self.spans)} jobs, {len(self.tracks())} tracks, overlap "
@@ -214,7 +229,8 @@ def _path(path: object, what: str) -> Path:
         raise InvalidArgument(f"Timeline.{what} takes a file path (str or os.PathLike), got "
                               f"{type(path).__name__}")
     text = os.fspath(path)
-    if isinstance(text, str) and (text.endswith(("/", os.sep)) or "\0" in text):
+    if isinstance(text, str) and (text.endswith(("/", os.sep)) or "\0" in text
+                                  or os.path.basename(text) in (".", "..")):
         raise InvalidArgument(f"Timeline.{what} takes a file path, got {text!r} (a folder's "
                               f"name, or a NUL character); name a file")
     path = Path(path)

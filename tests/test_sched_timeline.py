@@ -291,16 +291,19 @@ def test_exports_refuse_a_folder_name_and_a_span_json_cannot_hold(tmp_path):
     """``to_chrome_trace("traces/")`` wrote a file named ``traces``; a NaN time was written as
     a bare ``NaN``, which is not JSON (Perfetto refuses the file)."""
     timeline = Timeline([Span(0, "a", 0, "lane 0", 0.0, 1.0)])
-    for bad in (f"{tmp_path}/traces/", "a\0b.json"):
+    for bad in (f"{tmp_path}/traces/", f"{tmp_path}/traces/.", "a\0b.json"):
         with pytest.raises(InvalidArgument, match="name a file"):
             timeline.to_chrome_trace(bad)
         with pytest.raises(InvalidArgument, match="name a file"):
             timeline.plot(bad)
     assert not (tmp_path / "traces").exists()
-    for t in (float("nan"), float("inf")):
+    for start, end in ((0.0, float("nan")), (0.0, float("inf")), (1e308, 1e308)):
+        bad = Timeline([Span(0, "a", 0, "lane 0", start, end)])  # the last: 1e314 microseconds
         with pytest.raises(InvalidArgument, match="finite"):
-            Timeline([Span(0, "a", 0, "lane 0", 0.0, t)]).to_chrome_trace(tmp_path / "t.json")
-    assert not (tmp_path / "t.json").exists()
+            bad.to_chrome_trace(tmp_path / "t.json")
+        with pytest.raises(InvalidArgument, match="finite"):
+            bad.plot(tmp_path / "t.png")
+    assert not (tmp_path / "t.json").exists() and not (tmp_path / "t.png").exists()
 
 
 def test_a_plot_of_thousands_of_caller_streams_packs_them_into_rows(tmp_path):
@@ -326,6 +329,12 @@ def test_a_plot_of_thousands_of_caller_streams_packs_them_into_rows(tmp_path):
     path = timeline.plot(tmp_path / "many.png")
     assert time.perf_counter() - start < 20
     assert matplotlib.image.imread(path).shape[0] < 2000
+    # All 2,000 side by side (a lane's queue holds 1,024 by default): still PLOT_ROWS rows,
+    # the packed rows folded onto them
+    crowd = Timeline([Span(i, "req", 0, f"lane 0 stream {i:#x}", 0.0, 1.0) for i in range(2000)])
+    tracks, rows = crowd._rows()
+    assert len(tracks) == len(rows) == PLOT_ROWS and sum(map(len, rows)) == 2000
+    assert matplotlib.image.imread(crowd.plot(tmp_path / "crowd.png")).shape[0] < 4000
 
 
 def test_plot_writes_a_png_at_the_path_it_returns(tmp_path):
