@@ -346,6 +346,8 @@ class Job:
     def _finish(self, state: str, error: BaseException | None = None) -> bool:
         """Settle the job (loop thread only). Returns False if it was already settled."""
         if self._finished:
+            if self._state != DONE:  # failed while its lane's thread was enqueuing it (the
+                self.results = None  # device broke): outputs it published since are garbage
             return False
         self._finished = True
         self._state = state

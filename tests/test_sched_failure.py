@@ -98,6 +98,35 @@ async def test_statistics_agree_with_the_jobs_a_device_failure_failed(host, monk
                 await j0
 
 
+async def test_a_job_failed_while_its_lane_enqueued_it_keeps_no_outputs(host):
+    """The device broke while lane 0's thread was inside a job's set_inputs (a Gate input):
+    the loop failed the job at once; when the thread got out it enqueued the job anyway and
+    published its outputs, which the failed job then kept (its buffers with them)."""
+    a, b = (double_program(n).method("forward", device=host) for n in ("a", "b"))
+    gate = Gate(data(0))
+    held = host.create_stream()
+    with anyio.fail_after(30):
+        async with Scheduler(host, lanes=2) as sched:
+            try:
+                job = await sched.submit(a, [gate], lane=0)
+                await wait_until(gate.entered.is_set)  # lane 0's thread has taken it
+                with host.create_latch() as latch:
+                    latch.hold(held)
+                    host.inject_failure(held, "injected kernel fault")
+                    faulty = await sched.submit(b, [data(1)], lane=1, stream=held)
+                    await wait_until(lambda: faulty.state == "running")
+                    latch.release()
+                    for failed in (faulty, job):
+                        with pytest.raises(SchedulerBroken):
+                            await failed
+            finally:
+                gate.open()
+            await wait_until(lambda: sched.statistics()[0].completed == 1)
+            assert job.state == "failed" and job.results is None
+            lane0 = sched.statistics()[0]
+            assert (lane0.queued, lane0.in_flight) == (0, 0), lane0
+
+
 @pytest.mark.parametrize("dependent_lane", [1, 0], ids=["other lane", "same lane"])
 @pytest.mark.parametrize("how", ["output", "after"])
 async def test_a_refused_input_fails_its_job_and_its_dependents_only(host, dependent_lane, how):
