@@ -120,7 +120,7 @@ class Program:
         if "\0" in str(path):
             raise InvalidArgument(f"Program.load: the path {str(path)!r} holds a NUL character")
         try:  # never more than the limit read: the file may be huge, or endless (/dev/zero)
-            with path.open("rb") as f:
+            with _open_without_waiting(path) as f:
                 size = os.fstat(f.fileno()).st_size  # 0 for a pipe or a device
                 raw = b"" if size > MAX_MANIFEST_BYTES else _read_at_most(
                     f, size + 1 if size else MAX_MANIFEST_BYTES + 1)
@@ -615,6 +615,20 @@ def _read_npz(folder: Path, name: str, headers_only: bool = False) -> dict[str, 
         # RuntimeError: an encrypted member
         raise InvalidProgram("constants", f"a readable .npz file {name}",
                              f"{type(exc).__name__}: {exc}") from None
+
+
+def _open_without_waiting(path: Path) -> Any:
+    """``open(path, "rb")``, except that a FIFO nobody writes to reads as empty instead of
+    blocking the open forever (its reads then block as usual while a writer is there)."""
+    nonblock = getattr(os, "O_NONBLOCK", 0)
+    fd = os.open(path, os.O_RDONLY | nonblock)
+    try:
+        if nonblock:
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _check_regular(fd: int, name: str) -> None:

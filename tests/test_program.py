@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -943,6 +944,40 @@ def test_validation_time_does_not_grow_with_the_product_of_two_sizes(tmp_path):
     program = Program.load(path)
     assert time.perf_counter() - start < 10
     assert len(program.methods) == 1000 and len(program.constants) == 10_000
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs (POSIX)")
+def test_a_manifest_path_that_is_a_fifo_nobody_writes_to_does_not_hang(tmp_path):
+    """The open waited for a writer forever; one that does write is still read."""
+    import threading
+
+    fifo = tmp_path / "p.json"
+    os.mkfifo(fifo)
+    with pytest.raises(InvalidProgram, match="well-formed JSON"):
+        Program.load(fifo)  # nobody writes: empty
+    text = json.dumps({**manifest(), "constants": None} | {"methods": {"forward": {
+        "inputs": [{"name": "x", "dtype": "float32", "shape": [4]}],
+        "steps": [{"kernel": "relu", "in": ["x"], "out": ["y"]}],
+        "outputs": [{"name": "y", "dtype": "float32", "shape": [4]}]}}})
+
+    def write():
+        with open(fifo, "w") as f:  # blocks until the load has opened it
+            f.write(text)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    try:
+        deadline = time.monotonic() + 10
+        while True:  # the load may open before the writer does: then it reads nothing
+            try:
+                program = Program.load(fifo)
+                break
+            except InvalidProgram:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+    finally:
+        writer.join(10)
+    assert list(program.methods) == ["forward"]
 
 
 def test_a_path_holding_a_nul_is_invalid_argument():
