@@ -48,6 +48,7 @@ class _Worker:
         self.device = device
         self.queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self.stopped = False
+        self._lock = threading.Lock()  # put() and stop(): nothing lands behind the sentinel
         self.thread = threading.Thread(target=self._run, name=f"streamlane-host-{name}",
                                        daemon=True)
         with device._every_lock:  # until its thread ends (the thread holds it)
@@ -55,15 +56,17 @@ class _Worker:
         self.thread.start()
 
     def put(self, item: Callable[[], None]) -> None:
-        if self.stopped:  # a borrowed handle of a stream its owner closed: work would be lost
-            raise StreamClosed(f"host stream {self.id:#x} was destroyed by its owner; work "
-                               f"given to it (through a borrowed handle) would never run")
-        self.queue.put(item)
+        with self._lock:  # a stop() between the check and the put would strand the item
+            if self.stopped:  # a borrowed handle of a stream its owner closed: work is lost
+                raise StreamClosed(f"host stream {self.id:#x} was destroyed by its owner; work "
+                                   f"given to it (through a borrowed handle) would never run")
+            self.queue.put(item)
 
     def stop(self) -> None:
         """Finish the queued work, then end the thread."""
-        self.stopped = True
-        self.queue.put(None)
+        with self._lock:
+            self.stopped = True
+            self.queue.put(None)
 
     def _run(self) -> None:
         device = self.device

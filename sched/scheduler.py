@@ -92,21 +92,29 @@ _RECOVER_AFTER_S = 0.1
 UNOBSERVED_KEPT = 32
 
 
-# Frames that belong to a generator or coroutine: clearing one finalizes it, even suspended
-# (a task's frame may sit in a traceback raised twice, as Future.result() re-raises).
-_SUSPENDABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
+# How far _forget_locals looks: the frames that hold a job's inputs are streamlane's own,
+# near the head of its error's traceback (the lane's, the method's, set_inputs'); a shared
+# exception re-raised for every job grows its traceback each time, so the walk is bounded.
+_FORGET_FRAMES = 16
+_FORGET_ERRORS = 4
 
 
 def _forget_locals(error: BaseException | None, tb: TracebackType | None) -> None:
-    """Clear the local variables of the plain functions' finished frames in ``error``'s
-    traceback ``tb`` and those of its causes and contexts: the lines stay for the report."""
+    """Let go of the local variables of streamlane's own finished frames in the first frames of
+    ``error``'s traceback ``tb`` and of its first causes and contexts (the lines stay for the
+    report). A job's inputs are held there; frames of user code (an exception the user still
+    holds and inspects) and of generators and coroutines (clearing one finalizes it) are left
+    as they are."""
     seen: set[int] = set()
     pending: list[tuple[BaseException | None, TracebackType | None]] = [(error, tb)]
-    while pending:
+    while pending and len(seen) < _FORGET_ERRORS:
         exc, tb = pending.pop()
-        while tb is not None:
+        for _ in range(_FORGET_FRAMES):
+            if tb is None:
+                break
             frame = tb.tb_frame
-            if not frame.f_code.co_flags & _SUSPENDABLE:
+            if frame.f_globals.get("__name__", "").startswith("streamlane.") and \
+                    not frame.f_code.co_flags & _SUSPENDABLE:
                 try:
                     frame.clear()
                 except RuntimeError:  # still running (on some thread's stack): left alone
@@ -116,6 +124,11 @@ def _forget_locals(error: BaseException | None, tb: TracebackType | None) -> Non
             if nxt is not None and id(nxt) not in seen:
                 seen.add(id(nxt))
                 pending.append((nxt, nxt.__traceback__))
+
+
+# Frames that belong to a generator or coroutine: clearing one finalizes it, even suspended
+# (a task's frame may sit in a traceback raised twice, as Future.result() re-raises).
+_SUSPENDABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
 
 
 def _nothing() -> None:
@@ -249,6 +262,7 @@ class Scheduler:
         self._yielding = 0  # tasks suspended in yield_to_loop: ready to run (YIELD_SHARED_S)
         self._unobserved: list[Job] = []  # failed jobs whose error nobody may have seen
         self._unobserved_next = 2 * UNOBSERVED_KEPT  # its length at which it is pruned
+        self._let_go: Job | None = None  # the first unseen failed job a pruning let go of
         self._methods: weakref.WeakKeyDictionary[Method, _MethodState] = \
             weakref.WeakKeyDictionary()
         self._ids = itertools.count()
@@ -375,6 +389,8 @@ class Scheduler:
         if not error:
             unobserved = [job for job in self._unobserved if not job._retrieved]
             self._unobserved.clear()
+            if not unobserved and self._let_go is not None and not self._let_go._retrieved:
+                unobserved = [self._let_go]  # those kept were all seen later: one let go
             if unobserved:
                 first = unobserved[0]
                 first._retrieved = True
@@ -911,8 +927,12 @@ class Scheduler:
             unobserved.append(job)
             if len(unobserved) >= self._unobserved_next:
                 unseen = [j for j in unobserved if not j._retrieved]
-                # The first few, and the latest: should the first all be seen later, leaving
-                # still has one nobody saw to raise.
+                # The first few and the latest, and the first of those let go (again once
+                # that one is seen): should all those kept be seen later, leaving still has
+                # one nobody saw to raise.
+                let_go = unseen[UNOBSERVED_KEPT:-1]
+                if let_go and (self._let_go is None or self._let_go._retrieved):
+                    self._let_go = let_go[0]
                 unobserved[:] = unseen[:UNOBSERVED_KEPT] + unseen[UNOBSERVED_KEPT:][-1:]
                 self._unobserved_next = 2 * UNOBSERVED_KEPT
 

@@ -208,6 +208,8 @@ class Timeline:
             packed[row].append(s)
             heapq.heappush(ends, (s.end_s, row))
         streams = len(tracks) - len(own)
+        if not packed:  # lanes alone: a row each, however many
+            return own, rows
         if len(own) + len(packed) <= PLOT_ROWS:
             return own + [f"{streams} caller streams, row {i + 1}"
                           for i in range(len(packed))], rows + packed

@@ -334,6 +334,8 @@ def test_a_plot_of_thousands_of_caller_streams_packs_them_into_rows(tmp_path):
     crowd = Timeline([Span(i, "req", 0, f"lane 0 stream {i:#x}", 0.0, 1.0) for i in range(2000)])
     tracks, rows = crowd._rows()
     assert len(tracks) == len(rows) == PLOT_ROWS and sum(map(len, rows)) == 2000
+    lanes_only = Timeline([Span(i, "a", i, f"lane {i}", 0.0, 1.0) for i in range(60)])
+    assert lanes_only._rows()[0] == [f"lane {i}" for i in range(60)]  # no empty packed row
     assert matplotlib.image.imread(crowd.plot(tmp_path / "crowd.png")).shape[0] < 4000
 
 

@@ -602,3 +602,39 @@ def test_host_memory_exhaustion_is_a_device_error_like_cudas(host, monkeypatch):
         host.alloc(12345)
     assert info.value.code == "CUDA_ERROR_OUT_OF_MEMORY"
     assert host.alloc(16).nbytes == 16
+
+
+def test_host_stream_work_given_as_it_stops_runs_or_is_refused(host):
+    """The host stream's put() checked that the stream had not stopped, then queued: a stop()
+    from another thread in between queued its end first, and the item, behind it, never ran
+    (an event recorded that way was never reached, and its waiters hung). Forced at that line
+    (sys.settrace), where a debugger's or coverage's tracer can also switch threads."""
+    import inspect
+    import sys
+
+    from streamlane.runtime import host as host_module
+
+    lines = inspect.getsourcelines(host_module)[0]
+    target = next(i for i, text in enumerate(lines, 1) if "self.queue.put(item)" in text)
+    stream = host.create_stream()  # kept: a dropped stream closes
+    worker = stream._impl
+    ran = threading.Event()
+    stopper = threading.Thread(target=worker.stop)
+
+    def local(frame, event, arg):
+        if event == "line" and frame.f_lineno == target and not stopper.is_alive() and \
+                stopper.ident is None:
+            stopper.start()
+            stopper.join(0.5)  # done at once without the fix; blocked behind put() with it
+        return local
+
+    def tracer(frame, event, arg):
+        return local if frame.f_code.co_filename == host_module.__file__ else None
+
+    sys.settrace(tracer)
+    try:
+        worker.put(ran.set)
+    finally:
+        sys.settrace(None)
+    stopper.join(5)
+    assert ran.wait(5), "work queued behind the stream's end never ran"
