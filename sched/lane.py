@@ -32,6 +32,7 @@ import queue
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -100,6 +101,14 @@ class _Core(Protocol):
 # each) before the loop reads them at its next turn; fewer are read while it polls.
 UNREAD_MAX = 32
 
+# The waiter reports a lane's jobs in order: a job done on one caller stream behind one still
+# running on another stream of the lane would wait for that one. While such jobs are in
+# flight, an idle lane thread looks at them itself after LOOK_AFTER_S, then doubling up to
+# every LOOK_EVERY_S, and reports those done (Lane._look_behind_head).
+LOOK_AFTER_S = 0.001
+LOOK_EVERY_S = 0.016
+_LOOK = object()  # put in the lane's queue: look again at what is in flight
+
 
 class Lane:
     """A lane of a ``Scheduler``: ``sched.lanes[i]``. Its repr shows its state."""
@@ -114,6 +123,7 @@ class Lane:
         self._lock = threading.Lock()
         self._queued = self._in_flight = self._completed = 0
         self._handed = 0  # jobs given to the waiter thread and not yet settled by it
+        self._handed_jobs: deque[Job] = deque()  # those jobs, in the waiter's order (_lock)
         self._queued_calls = 0  # driver calls of the jobs in flight (see HOLD_GIL_BELOW)
         self._park = threading.Event()  # what threads wait on once the device is lost
         self._busy_s = 0.0
@@ -397,7 +407,9 @@ class Lane:
                     assert self.ready is not None
                     core.waker.post(self.ready.set)
                 holding = False
-                while (job := self._jobs.get()) is not None:
+                while (job := self._next_job()) is not None:
+                    if job is _LOOK:
+                        continue
                     if holding != (self._queued_calls < HOLD_GIL_BELOW):
                         holding = not holding
                         self.device.hold_gil(holding)
@@ -415,6 +427,49 @@ class Lane:
             self._completions.put(None)
             if park:
                 park.wait()
+
+    def _next_job(self) -> Any:
+        """Lane thread: the next job to enqueue (None: stop). While jobs of more than one stream
+        are in flight on the lane, waiting for it is cut short now and then to report those
+        done behind a job of another stream (``_look_behind_head``)."""
+        timeout = LOOK_AFTER_S
+        while self._streams_in_flight() > 1:
+            try:
+                return self._jobs.get(timeout=timeout)
+            except queue.Empty:
+                self._look_behind_head()
+                timeout = min(2 * timeout, LOOK_EVERY_S)
+        return self._jobs.get()
+
+    def _streams_in_flight(self) -> int:
+        """How many streams the jobs given to the waiter are on (1 once they share one)."""
+        with self._lock:
+            jobs = list(self._handed_jobs)
+        if len(jobs) < 2:
+            return len(jobs)
+        first = jobs[0]._stream_key
+        return 2 if any(job._stream_key != first for job in jobs) else 1
+
+    def _look_behind_head(self) -> None:
+        """Lane thread: settle the jobs given to the waiter that the device has finished on
+        another stream than the one the waiter waits for (the first), out of order: the
+        waiter would report them only after that one. The waiter skips them later (claimed),
+        as it does those the loop settles when asked (``observe``)."""
+        with self._lock:
+            jobs = list(self._handed_jobs)
+        if len(jobs) < 2:
+            return
+        head = jobs[0]._stream_key
+        done = [job for job in jobs[1:]
+                if job._stream_key != head and not job._claimed and _complete(job)]
+        del jobs
+        if not done:
+            return
+        report = self._settle(done, None)
+        del done  # not held while the loop runs the report (see _run_waiter)
+        if report is not None:
+            self._core.waker.post(report)
+            self._read_spans_here()
 
     def _execute(self, job: Job, lane_stream: Any, on_loop: bool = False) -> bool:
         """Enqueue ``job`` on the device and publish it; True once it is in flight (False: it
@@ -529,9 +584,13 @@ class Lane:
 
     def _hand(self, job: Job) -> None:
         """Give a job in flight to the waiter thread."""
-        with self._lock:
+        with self._lock:  # one order for both: the waiter's (_look_behind_head)
             self._handed += 1
-        self._completions.put(job)
+            self._handed_jobs.append(job)
+            self._completions.put(job)
+            several = len(self._handed_jobs) > 1
+        if several and threading.get_ident() != self.thread.ident:
+            self._jobs.put(_LOOK)  # the loop's own job: an idle lane thread looks again
 
     def _timing_event(self) -> Event:
         """A timing event to record a job's start on: one a settled job gave back, or new."""
@@ -545,7 +604,8 @@ class Lane:
         when the lane has nothing else to do and the job completes within the spin budget;
         returns the report for the caller to post to the loop (None: hand it to the waiter).
 
-        Only when the waiter holds no job of this lane, so completions stay in lane order."""
+        Only when the waiter holds no job of this lane, so the waiter's reports stay in order
+        (jobs on other streams than the waiter's first are reported by ``_look_behind_head``)."""
         if self._handed or not self._jobs.empty():
             return None
         event = job.event
@@ -648,6 +708,8 @@ class Lane:
                 report = self._settle(batch, error)
                 with self._lock:
                     self._handed -= len(batch)
+                    for _ in range(len(batch)):  # the same jobs, first in line
+                        self._handed_jobs.popleft()
                 # Not held once reported, nor while waiting for the next job: a finished job's
                 # Results keep its buffers out of the method's pool.
                 job = batch = nxt = None

@@ -973,9 +973,9 @@ class Scheduler:
 
     def clear_timeline(self) -> None:
         """Forget the spans recorded so far (to measure one phase of a longer run): those of
-        the jobs settled when it is called (awaited, or reported by their lane, which reports
-        its jobs in order). A job still running then, or finished on the device but not yet
-        reported, is recorded in the next phase: await a phase's jobs before clearing."""
+        the jobs settled when it is called (awaited, or reported by their lane). A job still
+        running then, or finished on the device but not yet reported, is recorded in the next
+        phase: await a phase's jobs before clearing."""
         if not self.may_update():
             self._spans.clear()
             return
@@ -989,8 +989,8 @@ class Scheduler:
 
     def _settle_finished(self) -> None:
         """Settle every pending job the device has finished (a lane reports its jobs in order,
-        so one may wait behind a slower one), on the loop thread; elsewhere, none. One event
-        query per pending job."""
+        so one may wait behind a slower one, for milliseconds on another stream), on the loop
+        thread; elsewhere, none. One event query per pending job."""
         self._release_loop_job()
         for job in list(self._pending):
             job.lane.observe(job)
