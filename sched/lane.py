@@ -432,6 +432,8 @@ class Lane:
         """Lane thread: the next job to enqueue (None: stop). While jobs of more than one stream
         are in flight on the lane, waiting for it is cut short now and then to report those
         done behind a job of another stream (``_look_behind_head``)."""
+        if not self._jobs.empty():  # more to enqueue (a burst): no look, no scan
+            return self._jobs.get()
         timeout = LOOK_AFTER_S
         while self._streams_in_flight() > 1:
             try:
