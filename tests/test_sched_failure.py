@@ -53,6 +53,18 @@ async def test_a_device_failure_fails_every_pending_job_and_breaks_the_scheduler
                     await sched.submit(first, [data(2)])
 
 
+async def _fault_on_lane_1(sched, host, method, held):
+    """Break the device: a job of ``method`` on lane 1, on stream ``held``, faults once it
+    runs (injected). Returns that job once the fault has happened."""
+    with host.create_latch() as latch:
+        latch.hold(held)
+        host.inject_failure(held, "injected kernel fault")
+        job = await sched.submit(method, [data(3)], lane=1, stream=held)
+        await wait_until(lambda: job.state == "running")
+        latch.release()
+    return job
+
+
 async def test_statistics_agree_with_the_jobs_a_device_failure_failed(host, monkeypatch):
     """Jobs still queued for a lane thread when the device failed were settled as failed on the
     loop, but counted only once their lane's thread got to them: statistics() said queued=3,
@@ -80,15 +92,10 @@ async def test_statistics_agree_with_the_jobs_a_device_failure_failed(host, monk
                 await wait_until(inside.is_set)  # lane 0's thread is inside j0's execute
                 j2 = await sched.submit(second, [data(1)], lane=0)
                 j3 = await sched.submit(third, [data(2)], lane=0)
-                with host.create_latch() as latch:
-                    latch.hold(held)
-                    host.inject_failure(held, "injected kernel fault")
-                    j1 = await sched.submit(faulty, [data(3)], lane=1, stream=held)
-                    await wait_until(lambda: j1.state == "running")
-                    latch.release()
-                    for job in (j1, j2, j3):
-                        with pytest.raises(SchedulerBroken):
-                            await job
+                j1 = await _fault_on_lane_1(sched, host, faulty, held)
+                for job in (j1, j2, j3):
+                    with pytest.raises(SchedulerBroken):
+                        await job
                 lane0, lane1 = sched.statistics()
                 assert (lane0.queued, lane0.in_flight, lane0.completed) == (1, 0, 2), lane0
                 assert (lane1.queued, lane1.in_flight, lane1.completed) == (0, 0, 1), lane1
@@ -110,15 +117,10 @@ async def test_a_job_failed_while_its_lane_enqueued_it_keeps_no_outputs(host):
             try:
                 job = await sched.submit(a, [gate], lane=0)
                 await wait_until(gate.entered.is_set)  # lane 0's thread has taken it
-                with host.create_latch() as latch:
-                    latch.hold(held)
-                    host.inject_failure(held, "injected kernel fault")
-                    faulty = await sched.submit(b, [data(1)], lane=1, stream=held)
-                    await wait_until(lambda: faulty.state == "running")
-                    latch.release()
-                    for failed in (faulty, job):
-                        with pytest.raises(SchedulerBroken):
-                            await failed
+                faulty = await _fault_on_lane_1(sched, host, b, held)
+                for failed in (faulty, job):
+                    with pytest.raises(SchedulerBroken):
+                        await failed
             finally:
                 gate.open()
             await wait_until(lambda: sched.statistics()[0].completed == 1)
@@ -240,29 +242,29 @@ async def test_leaving_raises_an_unseen_error_after_the_first_kept_ones_were_see
 
     method = double_program().method("forward", device=host)
     bad = np.zeros((3, 3), np.float32)
-    jobs = []
-    with pytest.raises(InvalidInput) as info:
-        with anyio.fail_after(60):
-            async with Scheduler(host, lanes=1) as sched:
-                for _ in range(2 * UNOBSERVED_KEPT):
-                    jobs.append(await sched.submit(method, [bad]))
-                await wait_until(lambda: all(j.done() for j in jobs))
-                for job in jobs[:UNOBSERVED_KEPT]:
-                    assert isinstance(job.exception(), InvalidInput)  # seen
-    assert info.value is jobs[-1]._error and jobs[-1]._retrieved
+
+    async def fail_then_see(await_last: bool) -> tuple[list[Job], BaseException]:
+        """Fail 64 jobs, (await the last,) see the first 32; the error leaving raised."""
+        jobs = []
+        with pytest.raises(InvalidInput) as info:
+            with anyio.fail_after(60):
+                async with Scheduler(host, lanes=1) as sched:
+                    for _ in range(2 * UNOBSERVED_KEPT):
+                        jobs.append(await sched.submit(method, [bad]))
+                    await wait_until(lambda: all(j.done() for j in jobs))
+                    if await_last:
+                        with pytest.raises(InvalidInput):
+                            await jobs[-1]
+                    for job in jobs[:UNOBSERVED_KEPT]:
+                        assert isinstance(job.exception(), InvalidInput)  # seen
+        return jobs, info.value
+
+    jobs, raised = await fail_then_see(await_last=False)
+    assert raised is jobs[-1]._error and jobs[-1]._retrieved
     # The latest seen too (an await of the last job, a common way to wait for all), the jobs
     # between were let go of by the pruning: leaving raises the first of them.
-    jobs = []
-    with pytest.raises(InvalidInput) as info:
-        with anyio.fail_after(60):
-            async with Scheduler(host, lanes=1) as sched:
-                for _ in range(2 * UNOBSERVED_KEPT):
-                    jobs.append(await sched.submit(method, [bad]))
-                with pytest.raises(InvalidInput):
-                    await jobs[-1]
-                for job in jobs[:UNOBSERVED_KEPT]:
-                    job.exception()
-    assert info.value is jobs[UNOBSERVED_KEPT]._error
+    jobs, raised = await fail_then_see(await_last=True)
+    assert raised is jobs[UNOBSERVED_KEPT]._error
 
 
 class _Stop(BaseException):
