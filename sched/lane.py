@@ -444,9 +444,11 @@ class Lane:
         return self._jobs.get()
 
     def _streams_in_flight(self) -> int:
-        """How many streams the jobs given to the waiter are on (1 once they share one)."""
+        """How many streams the jobs given to the waiter and not settled yet are on (1 once
+        they share one; those already settled out of order wait only for the waiter to pass
+        them, and are nothing to look for)."""
         with self._lock:
-            jobs = list(self._handed_jobs)
+            jobs = [job for job in self._handed_jobs if not job._claimed]
         if len(jobs) < 2:
             return len(jobs)
         first = jobs[0]._stream_key

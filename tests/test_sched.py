@@ -1002,3 +1002,30 @@ async def test_a_caller_stream_job_done_behind_a_held_one_of_its_lane_is_awaited
                 latch.release()
             (y,) = await held
     np.testing.assert_allclose(y.to_host(), 2 * data(0), rtol=1e-6)
+
+
+async def test_the_lane_thread_stops_looking_once_one_stream_is_left_in_flight(host,
+                                                                               monkeypatch):
+    """After the lane thread had reported a job done behind a held one on another stream,
+    it went on waking every 16 ms for as long as the held job ran: the job it had settled
+    still counted as a second stream in flight until the waiter got past the held one."""
+    from streamlane.sched.lane import Lane
+
+    looks = []
+    look = Lane._look_behind_head
+    monkeypatch.setattr(Lane, "_look_behind_head", lambda self: (looks.append(1), look(self)))
+    a, b = (double_program(n).method("forward", device=host) for n in ("a", "b"))
+    s1, s2 = host.create_stream(), host.create_stream()
+    with anyio.fail_after(30):
+        async with Scheduler(host, lanes=1) as sched:
+            with host.create_latch() as latch:
+                latch.hold(s1)
+                held = await sched.submit(a, [data(0)], stream=s1)
+                with anyio.fail_after(5):
+                    await sched.run(b, [data(1)], stream=s2)  # reported by the lane thread
+                await anyio.sleep(0.05)
+                before = len(looks)
+                await anyio.sleep(0.3)  # only the held job is left in flight
+                assert len(looks) - before <= 1, f"{len(looks) - before} looks in 0.3 s"
+                latch.release()
+            await held
