@@ -598,15 +598,9 @@ def _read_npz(folder: Path, name: str, headers_only: bool = False) -> dict[str, 
         raise InvalidProgram("constants", "a plain file name beside the manifest", name)
     path = folder / name
     try:
-        # Opened without blocking (a FIFO would wait for a writer forever) and read only if it
+        # Opened without waiting (a FIFO would wait for a writer forever) and read only if it
         # is a regular file: a device such as /dev/zero reports no size and never ends.
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-        try:
-            _check_regular(fd, name)
-        except BaseException:
-            os.close(fd)
-            raise
-        with os.fdopen(fd, "rb") as f:
+        with _open_without_waiting(path, lambda fd: _check_regular(fd, name)) as f:
             return _read_members(f, name, headers_only)
     except InvalidProgram:
         raise
@@ -617,12 +611,15 @@ def _read_npz(folder: Path, name: str, headers_only: bool = False) -> dict[str, 
                              f"{type(exc).__name__}: {exc}") from None
 
 
-def _open_without_waiting(path: Path) -> Any:
+def _open_without_waiting(path: Path, check: Callable[[int], None] | None = None) -> Any:
     """``open(path, "rb")``, except that a FIFO nobody writes to reads as empty instead of
-    blocking the open forever (its reads then block as usual while a writer is there)."""
+    blocking the open forever (its reads then block as usual while a writer is there).
+    ``check(fd)`` may refuse the file first (it raises; the file is closed)."""
     nonblock = getattr(os, "O_NONBLOCK", 0)
     fd = os.open(path, os.O_RDONLY | nonblock)
     try:
+        if check is not None:
+            check(fd)
         if nonblock:
             os.set_blocking(fd, True)
         return os.fdopen(fd, "rb")
