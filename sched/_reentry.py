@@ -47,6 +47,15 @@ def _classify(frame: FrameType) -> int:
     return kind
 
 
+def streamlane_frame(frame: FrameType) -> bool:
+    """Whether ``frame`` runs streamlane's own code (runtime, kernels, scheduler; not the CLI
+    or the demo, its users). One dictionary lookup once its file has been seen."""
+    kind = _SEEN.get(frame.f_code.co_filename)
+    if kind is None:
+        kind = _classify(frame)
+    return kind == _STREAMLANE
+
+
 def reentered() -> bool:
     """True if streamlane code is on the calling thread's stack below the caller's own
     streamlane frames and above the event loop's dispatch (see the module's docstring). One

@@ -228,7 +228,7 @@ class LoopWaker:
 
 
 def _nothing() -> None:
-    """A callback whose only effect is the loop's turn."""
+    """A callback whose only effect is the loop's turn (and a default that gives None)."""
 
 
 def current_async_library() -> str:

@@ -60,9 +60,9 @@ from anyio.lowlevel import checkpoint, checkpoint_if_cancelled
 from streamlane.runtime import CallerStream, Device, Event, Method, Result, Stream, get_device
 from streamlane.runtime.errors import InvalidArgument, InvalidState, NotSupported, StreamClosed
 from streamlane.runtime.stream import foreign_stream_handle
-from streamlane.sched._reentry import reentered
+from streamlane.sched._reentry import reentered, streamlane_frame
 
-from ._wakeup import LoopWaker
+from ._wakeup import LoopWaker, _nothing
 from .errors import ClosedStreamGiven, SchedulerBroken, SchedulerClosed, TimingStallWarning
 from .job import CANCELLED, DONE, FAILED, Job, JobOutput, check_jobs
 from .lane import UNREAD_MAX, Lane, LaneStatistics
@@ -113,8 +113,7 @@ def _forget_locals(error: BaseException | None, tb: TracebackType | None) -> Non
             if tb is None:
                 break
             frame = tb.tb_frame
-            if frame.f_globals.get("__name__", "").startswith("streamlane.") and \
-                    not frame.f_code.co_flags & _SUSPENDABLE:
+            if streamlane_frame(frame) and not frame.f_code.co_flags & _SUSPENDABLE:
                 try:
                     frame.clear()
                 except RuntimeError:  # still running (on some thread's stack): left alone
@@ -129,10 +128,6 @@ def _forget_locals(error: BaseException | None, tb: TracebackType | None) -> Non
 # Frames that belong to a generator or coroutine: clearing one finalizes it, even suspended
 # (a task's frame may sit in a traceback raised twice, as Future.result() re-raises).
 _SUSPENDABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
-
-
-def _nothing() -> None:
-    return None
 
 
 # Schedulers entered and not closed yet. Their lane threads are daemons (an unclosed scheduler
