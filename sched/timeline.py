@@ -227,15 +227,17 @@ class Timeline:
 
 
 def _path(path: object, what: str) -> Path:
-    if not isinstance(path, (str, os.PathLike)):
-        raise InvalidArgument(f"Timeline.{what} takes a file path (str or os.PathLike), got "
-                              f"{type(path).__name__}")
-    text = os.fspath(path)
-    if isinstance(text, str) and (text.endswith(("/", os.sep)) or "\0" in text
-                                  or os.path.basename(text) in (".", "..")):
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        raise InvalidArgument(f"Timeline.{what} takes a file path (str, bytes or os.PathLike), "
+                              f"got {type(path).__name__}")
+    try:  # bytes (or a PathLike giving bytes) in the file system's encoding, as open() takes
+        text = os.fsdecode(os.fspath(path))
+    except TypeError as exc:  # a PathLike whose __fspath__ returns something else
+        raise InvalidArgument(f"Timeline.{what} takes a file path: {exc}") from None
+    if text.endswith(("/", os.sep)) or "\0" in text or os.path.basename(text) in (".", ".."):
         raise InvalidArgument(f"Timeline.{what} takes a file path, got {text!r} (a folder's "
                               f"name, or a NUL character); name a file")
-    path = Path(path)
+    path = Path(text)
     if path.is_dir():
         raise InvalidArgument(f"Timeline.{what} takes a file path, and {str(path)!r} is a "
                               f"directory; name a file in it")

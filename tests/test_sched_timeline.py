@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import os
 import threading
 import time
 
@@ -285,6 +286,35 @@ def test_exports_take_a_file_path(bad):
         timeline.to_chrome_trace(bad)
     with pytest.raises(InvalidArgument, match="plot takes a file path"):
         timeline.plot(bad)
+
+
+def test_exports_take_bytes_paths_as_open_does(tmp_path):
+    """A path given as bytes, or by an ``os.PathLike`` whose ``__fspath__`` returns bytes (both
+    valid for ``open()``), raised a bare ``TypeError`` from ``pathlib``; one whose
+    ``__fspath__`` returns neither is refused with ``InvalidArgument``."""
+
+    class BytesPath:
+        def __init__(self, raw: bytes):
+            self.raw = raw
+
+        def __fspath__(self) -> bytes:
+            return self.raw
+
+    class Odd:
+        def __fspath__(self) -> int:
+            return 5
+
+    timeline = Timeline([Span(0, "a", 0, "lane 0", 0.0, 1.0)])
+    trace = os.fsencode(tmp_path / "t.json")
+    assert timeline.to_chrome_trace(trace) == tmp_path / "t.json"
+    assert json.loads((tmp_path / "t.json").read_text())["otherData"]["jobs"] == 1
+    assert timeline.plot(BytesPath(os.fsencode(tmp_path / "t"))) == tmp_path / "t.png"
+    assert (tmp_path / "t.png").read_bytes().startswith(b"\x89PNG")
+    with pytest.raises(InvalidArgument, match="name a file"):
+        timeline.plot(BytesPath(os.fsencode(f"{tmp_path}/traces/")))
+    for export in (timeline.to_chrome_trace, timeline.plot):
+        with pytest.raises(InvalidArgument, match="takes a file path"):
+            export(Odd())
 
 
 def test_exports_refuse_a_folder_name_and_a_span_json_cannot_hold(tmp_path):
