@@ -799,9 +799,10 @@ class _Validator:
                 raise InvalidProgram(f"constant_tensors[{i}].name",
                                      "a constant present in the constants .npz", t.name)
             if dtype_name(have.dtype) != t.dtype or tuple(have.shape) != t.shape:
+                # The field is the manifest's declaration: it should say what the .npz holds.
                 raise InvalidProgram(f"constant_tensors[{i}]",
-                                     f"{t.dtype}{list(t.shape)} as in the .npz",
-                                     f"{dtype_name(have.dtype)}{list(have.shape)}")
+                                     f"{dtype_name(have.dtype)}{list(have.shape)}, as the "
+                                     f"constants .npz holds", f"{t.dtype}{list(t.shape)}")
         return consts
 
     def _method(self, mname: str, mdoc: Any,

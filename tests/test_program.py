@@ -474,6 +474,10 @@ def test_constants_missing_or_of_wrong_shape(tmp_path):
     with pytest.raises(InvalidProgram) as info:
         Program.load(write(tmp_path, doc))
     assert info.value.path == "constant_tensors[0]"
+    # The field is the manifest's declaration: what it should say is what the .npz holds, and
+    # what it got is the declaration (the two were swapped, blaming the .npz).
+    assert info.value.expected.startswith(f"float32{list(W.shape)}"), info.value.expected
+    assert info.value.got == "float32[16, 8]"
 
 
 def test_malformed_json_and_files(tmp_path):
