@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -128,6 +129,19 @@ def test_save_never_replaces_a_file_that_is_not_its_own(tmp_path):
     small(1.0).save(tmp_path / "deep.json")
     assert loads_w(tmp_path / "deep.json") == 1.0
     assert not list(tmp_path.glob(".streamlane-save-*")), "a temporary file was left"
+
+
+def test_a_copied_manifest_shares_constants_until_the_copy_is_saved(tmp_path):
+    """README: a manifest copied by hand reads the original's constants file; re-saving the
+    original rewrites that file for both, re-saving the copy gives the copy its own file and
+    leaves the original's alone."""
+    small(1.0).save(tmp_path / "a.json")
+    shutil.copy(tmp_path / "a.json", tmp_path / "copy.json")
+    small(2.0).save(tmp_path / "a.json")  # a.npz is a.json's own: rewritten, read by both
+    assert (loads_w(tmp_path / "a.json"), loads_w(tmp_path / "copy.json")) == (2.0, 2.0)
+    small(3.0).save(tmp_path / "copy.json")  # copy.npz, its own name: a.npz is kept
+    assert json.loads((tmp_path / "copy.json").read_text())["constants"] == "copy.npz"
+    assert (loads_w(tmp_path / "a.json"), loads_w(tmp_path / "copy.json")) == (2.0, 3.0)
 
 
 def test_a_save_that_fails_leaves_the_program_there_intact(tmp_path, monkeypatch):
