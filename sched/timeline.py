@@ -14,9 +14,11 @@ import heapq
 import json
 import math
 import os
+import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from streamlane.runtime.errors import InvalidArgument
 
@@ -125,8 +127,8 @@ class Timeline:
         doc = {"traceEvents": events, "displayTimeUnit": "ms",
                "otherData": {"device": self.device, "jobs": len(self.spans),
                              "overlap": round(self.overlap(), 4)}}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(doc))
+        text = json.dumps(doc).encode("utf-8")
+        _write_file(path, lambda f: f.write(text))
         return path
 
     def plot(self, path: str | Path, title: str | None = None) -> Path:
@@ -171,8 +173,7 @@ class Timeline:
             ax.legend(handles=[Patch(color=colour[n], label=n) for n in names],
                       loc="upper right", fontsize="small")
         fig.tight_layout()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, format="png")
+        _write_file(path, lambda f: fig.savefig(f, format="png"))
         return path
 
     def _check_finite(self, what: str) -> None:
@@ -242,3 +243,24 @@ def _path(path: object, what: str) -> Path:
         raise InvalidArgument(f"Timeline.{what} takes a file path, and {str(path)!r} is a "
                               f"directory; name a file in it")
     return path
+
+
+def _write_file(path: Path, write: Any) -> None:
+    """Write ``path`` whole or not at all: ``write(f)`` fills a new hidden file beside it,
+    which then replaces it (an earlier trace stays as it was if the write fails: a full disk,
+    a file size limit, a Ctrl-C). The folders are made first; as with ``open()``, a symlink is
+    written through (its target is replaced), and the file gets the mode ``open()`` would give
+    it (that of the file it replaces, else 0o666 less the umask)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path = Path(os.path.realpath(path))
+    temp = path.with_name(f".{path.name[:200]}.{uuid.uuid4().hex}.tmp")
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            if path.is_file():
+                os.chmod(f.fileno(), path.stat().st_mode & 0o7777)
+            write(f)
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise

@@ -317,6 +317,54 @@ def test_exports_take_bytes_paths_as_open_does(tmp_path):
             export(Odd())
 
 
+_WRITE_UNDER_A_SIZE_LIMIT = """
+import resource, sys
+from streamlane.sched import Span, Timeline
+spans = [Span(i, "job", i, "lane 0", i * 1e-3, i * 1e-3 + 5e-4) for i in range(5000)]
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))  # Python ignores SIGXFSZ
+for export, name in ((Timeline(spans).to_chrome_trace, "t.json"), (Timeline(spans).plot, "t.png")):
+    try:
+        export(sys.argv[1] + "/" + name)
+    except OSError as exc:
+        print(name, "OSError", exc.errno)
+"""
+
+
+def test_an_export_that_fails_leaves_the_earlier_file_whole(tmp_path):
+    """A trace or plot cut short (here by a file size limit: a full disk is the same) was left
+    truncated, a broken JSON file in place of the earlier good one. Each export now writes a
+    new file and renames it into place: the old file stays as it was, no temporary is left."""
+    import subprocess
+    import sys
+
+    small = Timeline([Span(0, "a", 0, "lane 0", 0.0, 1.0)])
+    small.to_chrome_trace(tmp_path / "t.json")
+    small.plot(tmp_path / "t.png")
+    before = {n: (tmp_path / n).read_bytes() for n in ("t.json", "t.png")}
+    proc = subprocess.run([sys.executable, "-c", _WRITE_UNDER_A_SIZE_LIMIT, str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("\n")[:2] == ["t.json OSError 27", "t.png OSError 27"], proc.stdout
+    assert {n: (tmp_path / n).read_bytes() for n in ("t.json", "t.png")} == before
+    assert json.loads(before["t.json"])["otherData"]["jobs"] == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.json", "t.png"]
+
+
+def test_an_export_writes_through_a_symlink_and_keeps_the_mode(tmp_path):
+    """As ``open()`` does: a symlinked path gets its target rewritten (the link stays), and a
+    replaced file keeps its mode."""
+    timeline = Timeline([Span(0, "a", 0, "lane 0", 0.0, 1.0)])
+    (tmp_path / "real").mkdir()
+    target = tmp_path / "real" / "t.json"
+    target.write_text("{}")
+    target.chmod(0o640)
+    (tmp_path / "t.json").symlink_to(target)
+    timeline.to_chrome_trace(tmp_path / "t.json")
+    assert (tmp_path / "t.json").is_symlink()
+    assert json.loads(target.read_text())["otherData"]["jobs"] == 1
+    assert target.stat().st_mode & 0o777 == 0o640
+
+
 def test_exports_refuse_a_folder_name_and_a_span_json_cannot_hold(tmp_path):
     """``to_chrome_trace("traces/")`` wrote a file named ``traces``; a NaN time was written as
     a bare ``NaN``, which is not JSON (Perfetto refuses the file)."""
