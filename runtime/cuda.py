@@ -463,6 +463,8 @@ class CudaDevice(Device):
                 f"{self.total_memory / 2**30:.1f} GiB>")
 
     # -- streams ------------------------------------------------------------------------------
+    _threads_hang_when_lost = True
+
     @property
     def lost(self) -> bool:
         # Process-wide: the driver offers no query for "this context hit a sticky error"

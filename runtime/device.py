@@ -85,6 +85,9 @@ class Device(ABC):
     """One device: its streams, events, memory and kernels. Get one with ``get_device``."""
 
     kind: str = ""
+    # Whether a thread that waited on this device once it is lost may hang as it ends (CUDA on
+    # driver 580: the scheduler parks its lane threads then, instead of ending them).
+    _threads_hang_when_lost = False
     # How many hardware queues feed this device's streams, or None where streams never share
     # one (the host device). On CUDA, CUDA_DEVICE_MAX_CONNECTIONS (default 8, at most 32): with
     # more streams busy than queues, streams share them, and a command at a queue's head that
@@ -140,8 +143,8 @@ class Device(ABC):
     @property
     def lost(self) -> bool:
         """True once an error has made the device unusable for the rest of the process (CUDA:
-        a kernel fault poisons the context; every later call fails). The host device's
-        injected faults are recoverable (``reset_error``), so it is never lost."""
+        a kernel fault poisons the context; every later call fails; the host device: a fault
+        of its worker threads, such as a callable step's exception)."""
         return False
 
     def hold_gil(self, enabled: bool) -> bool:

@@ -142,6 +142,12 @@ class HostDevice(Device):
         """Clear a sticky fault (tests only: a real CUDA context cannot be recovered)."""
         self._error = None
 
+    @property
+    def lost(self) -> bool:
+        """True once a fault (an exception on a stream's worker thread) has made the device
+        unusable, as a kernel fault does a CUDA context (``reset_error`` is for tests)."""
+        return self._error is not None
+
     # -- streams ------------------------------------------------------------------------------
     def per_thread_stream(self) -> Stream:
         holder = getattr(self._local, "holder", None)

@@ -352,7 +352,7 @@ class Lane:
     def join(self) -> None:
         """Join both threads, those started, unless the device is lost: then they park (see
         ``_parking``)."""
-        if not self.device.lost:
+        if self._parking() is None:
             for thread in (self.thread, self.waiter):
                 if thread.ident is not None:
                     thread.join()
@@ -734,7 +734,10 @@ class Lane:
         the driver's thread teardown forever, and process exit hung behind it. A parked daemon
         thread costs nothing and lets the process exit. Returns the event to wait on forever
         (``join`` does not wait for a parked thread)."""
-        return self._park if self.device.lost else None  # never set, but by tests
+        device = self.device
+        if device._threads_hang_when_lost and device.lost:
+            return self._park  # never set, but by tests
+        return None
 
     def _wait(self, job: Job) -> None:
         event = job.event

@@ -472,6 +472,7 @@ async def test_once_the_device_is_lost_lanes_park_instead_of_ending(host, monkey
         async with Scheduler(host, lanes=1) as sched:
             (out,) = await sched.run(method, [data(0)])
             monkeypatch.setattr(type(host), "lost", property(lambda self: True))
+            monkeypatch.setattr(type(host), "_threads_hang_when_lost", True)  # as CUDA's
     lane = sched.lanes[0]
     threads = (lane.thread, lane.waiter)
     try:

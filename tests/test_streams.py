@@ -454,7 +454,11 @@ def test_host_device_fault_is_sticky_and_raises_instead_of_hanging(host):
         ev.synchronize()
     with pytest.raises(DeviceError):
         host.per_thread_stream().record().synchronize()
+    # Unusable until the process restarts, as its message says: lost, as a faulted CUDA
+    # context is (it said False, so code deciding to restart on `lost` went on)
+    assert host.lost
     host.reset_error()
+    assert not host.lost
     s.close()
 
 
