@@ -9,7 +9,7 @@ Each has one meaning (trio's distinction): ``SchedulerClosed`` — *your code* c
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from streamlane.runtime.errors import (
     DeviceError,
@@ -52,6 +52,20 @@ class DependencyFailed(StreamlaneError):
         self.dependency = dependency
         super().__init__(f"{job.label} was not run: it depends on {dependency.label}, which "
                          f"did not complete ({type(error).__name__}: {error})")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled or deep-copied, it keeps its message and loses its jobs (``job`` and
+        ``dependency`` are None): they belong to this process's scheduler, and copying them
+        would copy it, event loop and all."""
+        rebuild, args, state = super().__reduce__()
+        return rebuild, args, {**state, "job": None, "dependency": None}
+
+    def __copy__(self) -> DependencyFailed:
+        """``copy.copy`` keeps the jobs (the same objects)."""
+        rebuild, args, state = super().__reduce__()
+        twin = rebuild(*args)
+        twin.__dict__.update(state)
+        return twin
 
 
 class TimingStallWarning(UserWarning):

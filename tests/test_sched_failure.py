@@ -4,7 +4,9 @@ cancel storm), unobserved errors. Every test runs on asyncio, uvloop and trio.""
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
+import pickle
 import random
 import threading
 import time
@@ -146,6 +148,14 @@ async def test_a_refused_input_fails_its_job_and_its_dependents_only(host, depen
         with pytest.raises(DependencyFailed, match="depends on") as info:
             await dependent
         assert info.value.dependency is bad and dependent.state == "failed"
+        # It copies with its jobs; pickled or deep-copied, with its message but not its jobs
+        # (both failed inside, on the scheduler's event loop, leaving stray tracebacks)
+        error = info.value
+        twin = copy.copy(error)
+        assert (twin.job, twin.dependency, str(twin)) == (dependent, bad, str(error))
+        for back in (pickle.loads(pickle.dumps(error)), copy.deepcopy(error)):
+            assert type(back) is DependencyFailed and str(back) == str(error)
+            assert back.job is None and back.dependency is None
         (out,) = await sched.run(method, [data(3)])  # the scheduler goes on
         assert sched.broken is None
     np.testing.assert_array_equal(out.to_host(), 2 * data(3))
