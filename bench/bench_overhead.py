@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import Report
+from _common import RESULTS, Report
 
 from streamlane.runtime import Program, Result
 from streamlane.runtime.host import HostDevice
@@ -65,8 +65,10 @@ def per_call_us(fn: Any, calls: int = 5000, repeats: int = 21) -> tuple[float, f
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=None)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=str(RESULTS / "overhead-cpu.json"),
+                    help="the JSON to write (default: %(default)s, the file kept in git; the "
+                         "null device reports its kind as host, whose files git ignores)")
     args = ap.parse_args()
     dev = NullDevice()
     rep = Report("overhead", dev, quick=False)

@@ -427,7 +427,7 @@ SECTIONS = {"launch": bench_launch, "compile": bench_compile, "kernels": bench_k
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="auto")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", default="")

@@ -74,7 +74,7 @@ async def throughput(dev: Any, lanes: int, tasks: int = 500, per: int = 10) -> f
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     rep = Report("convoy", NullDevice(), quick=False)

@@ -23,7 +23,7 @@ from streamlane.runtime import get_device
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dev = get_device("cuda")
