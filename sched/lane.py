@@ -182,6 +182,21 @@ class Lane:
             if self._uncount(job):
                 self._completed += 1
 
+    def claim_taken(self, job: Job, error: BaseException) -> None:
+        """Loop thread, the device broke: count as completed a ``job`` this lane's thread has
+        taken and not yet published (it is inside its enqueue), so that ``statistics()``
+        agree at once with the job's settling as failed. Whatever the thread then does with
+        it counts nothing more: it finds the job out of the queued count (``_not_run``) or
+        claimed (``_execute`` counts no flight, the waiter settles nothing)."""
+        with self._lock:
+            if job._claimed:
+                return
+            if self._uncount(job):  # still counted queued: the thread has not counted it in
+                self._completed += 1  # flight
+                job._claimed = True
+                return
+        self._settle([job], error)  # counted in flight, published just behind: as the waiter
+
     def unpark(self, job: Job) -> None:
         """Give a parked job to the lane thread, behind anything queued before it (else the
         loop thread enqueues it: ``run_inline``)."""
@@ -558,9 +573,13 @@ class Lane:
         else:
             with self._lock:
                 self._uncount(job)
-                self._in_flight += 1
-                self._queued_calls += job._calls
+                if not job._claimed:  # else counted as completed already (claim_taken)
+                    self._in_flight += 1
+                    self._queued_calls += job._calls
             job._publish(end, results, None)
+            if job._claimed:  # failed by a device break as it was enqueued (claim_taken):
+                # nothing else settles it again, which lets go of the outputs just published
+                core.waker.post(_Call(core.finish, job, FAILED, core.broken_error()))
         finally:
             if guard is not None:
                 try:

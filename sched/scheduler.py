@@ -884,8 +884,11 @@ class Scheduler:
             if job._abandon(error):  # no lane had taken it: none will run it now
                 job._not_run_state = FAILED
                 job.lane.not_run_here(job)
-            elif job._is_published and job._enqueue_error is None:  # in flight: claimed here
-                job.lane._settle([job], error)  # (its waiter then skips it); settled below
+            elif job._is_published:
+                if job._enqueue_error is None:  # in flight: claimed here (its waiter then
+                    job.lane._settle([job], error)  # skips it); settled below
+            else:  # its lane's thread is enqueuing it (a host wait, a slow input, a lock)
+                job.lane.claim_taken(job, error)
             self.finish(job, FAILED, error)
 
     def finish(self, job: Job, state: str, error: BaseException | None) -> None:
