@@ -192,14 +192,25 @@ def test_the_command_imports_nothing_heavy_before_its_ctrl_c_handler():
     assert out.strip() == "[]", out
 
 
+def test_the_packages_say_they_are_typed():
+    """PEP 561: without py.typed a type checker ignores streamlane's annotations (mypy: "missing
+    library stubs or py.typed marker"); the literal __all__ of streamlane.sched is what makes
+    its lazily loaded names exported for mypy --strict."""
+    from importlib.resources import files
+
+    for package in ("streamlane.runtime", "streamlane.sched", "streamlane.kernels"):
+        assert files(package).joinpath("py.typed").is_file(), package
+
+
 def test_the_package_names_load_on_first_use():
     code = ("import streamlane.sched as s; from streamlane.sched import *; "
             "names = [n for n in s.__all__ if getattr(s, n).__name__ != n]; "
             "missing = set(s.__all__) - set(dir(s)); "
-            "print(len(s.__all__), names, sorted(missing), s.Scheduler is s.scheduler.Scheduler)")
+            "print(len(s.__all__), names, sorted(missing), s.Scheduler is s.scheduler.Scheduler, "
+            "sorted(s.__all__) == sorted(s._HOMES))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
-    assert out.strip() == "12 [] [] True", out
+    assert out.strip() == "12 [] [] True True", out
     err = subprocess.run([sys.executable, "-c", "import streamlane.sched as s; s.Schedular"],
                          capture_output=True, text=True).stderr
     assert "AttributeError: module 'streamlane.sched' has no attribute 'Schedular'" in err, err
