@@ -253,7 +253,7 @@ def _write_file(path: Path, write: Any) -> None:
     it (that of the file it replaces, else 0o666 less the umask)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path = Path(os.path.realpath(path))
-    temp = path.with_name(f".{path.name[:200]}.{uuid.uuid4().hex}.tmp")
+    temp = path.with_name(f".streamlane-write-{uuid.uuid4().hex}.tmp")  # fits any name limit
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:

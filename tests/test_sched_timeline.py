@@ -361,6 +361,8 @@ def test_an_export_writes_through_a_symlink_and_keeps_the_mode(tmp_path):
     (tmp_path / "t.json").symlink_to(target)
     timeline.to_chrome_trace(tmp_path / "t.json")
     assert (tmp_path / "t.json").is_symlink()
+    long = tmp_path / ("\u00e9" * 125 + ".json")  # 255 bytes of UTF-8: the longest name
+    assert timeline.to_chrome_trace(long) == long and long.is_file()
     assert json.loads(target.read_text())["otherData"]["jobs"] == 1
     assert target.stat().st_mode & 0o777 == 0o640
 
