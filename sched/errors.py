@@ -50,15 +50,25 @@ class DependencyFailed(StreamlaneError):
     def __init__(self, job: Job, dependency: Job, error: BaseException):
         self.job = job
         self.dependency = dependency
+        # A chain names the job where it started, not every link (each message held the one
+        # before it: quadratic in the chain's length).
+        self._root: BaseException | None
+        if isinstance(error, DependencyFailed):
+            self._root, self._root_label = error._root, error._root_label
+            why = (f"was not run either: the chain of dependencies goes back to "
+                   f"{error._root_label}, which did not complete")
+        else:
+            self._root, self._root_label = error, dependency.label
+            why = "did not complete"
         super().__init__(f"{job.label} was not run: it depends on {dependency.label}, which "
-                         f"did not complete ({type(error).__name__}: {error})")
+                         f"{why} ({type(self._root).__name__}: {self._root})")
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickled or deep-copied, it keeps its message and loses its jobs (``job`` and
         ``dependency`` are None): they belong to this process's scheduler, and copying them
         would copy it, event loop and all."""
         rebuild, args, state = super().__reduce__()
-        return rebuild, args, {**state, "job": None, "dependency": None}
+        return rebuild, args, {**state, "job": None, "dependency": None, "_root": None}
 
     def __copy__(self) -> DependencyFailed:
         """``copy.copy`` keeps the jobs (the same objects)."""

@@ -169,6 +169,26 @@ async def test_a_refused_input_fails_its_job_and_its_dependents_only(host, depen
     np.testing.assert_array_equal(out.to_host(), 2 * data(3))
 
 
+async def test_a_failed_chain_names_where_it_started_in_a_bounded_message(host):
+    """Each DependencyFailed embedded its dependency's whole message, so a rolling chain of
+    after= jobs behind a failed head built messages quadratic in its length (4,000 jobs held
+    ~1 GB). A link now names the chain's first job and its error, once."""
+    method = double_program().method("forward", device=host)
+    async with Scheduler(host, lanes=2) as sched:
+        head = await sched.submit(method, [np.zeros((3, 3), np.float32)], lane=0)
+        job = head
+        for i in range(300):
+            job = await sched.submit(method, [data(i)], lane=i % 2, after=[job])
+            with pytest.raises(DependencyFailed) as info:
+                await job
+        with pytest.raises(InvalidInput):
+            await head
+    error = info.value
+    assert len(str(error)) < 600, len(str(error))
+    assert f"goes back to {head.label}, which did not complete (InvalidInput: " in str(error)
+    assert error.job is job and isinstance(error.__cause__, DependencyFailed)
+
+
 async def test_a_method_moved_after_a_refused_job_runs(host):
     """The move waits for the method's last job to be enqueued (rule 4), but that job is no
     dependency: its refusal does not fail the next one."""
