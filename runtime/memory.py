@@ -17,6 +17,49 @@ if TYPE_CHECKING:
 
 __all__ = ["Buffer", "DeviceArray"]
 
+# A buffer's ``uses`` with this many streams (and twice, four times as many...) is pruned:
+# one entry per stream ever used would grow without bound (a long-lived input read under a
+# new caller stream per request).
+PRUNE_USES_AT = 64
+
+
+def prune_uses(uses: dict[Any, Any], key: Any) -> None:
+    """Called once ``uses`` (just given ``key``'s latest use) holds ``PRUNE_USES_AT`` entries or
+    more; at that many and at each doubling, it drops the entries a rewrite or free no longer
+    needs to wait for, so a few streams never pay for this and many pay little per use:
+
+    - an entry whose event another entry also holds: the event is re-recorded by each execute
+      of the method that owns it, on its latest stream, and rule 4 orders each of those
+      executes after the one before, so waiting for the event's latest record covers every
+      stream it was noted for (the newest key is kept);
+    - an entry whose event the device has reached (its work, or later work, has finished)."""
+    n = len(uses)
+    if n & (n - 1):
+        return
+    entries = list(uses.items())  # a copy: another thread may note a use meanwhile
+    keep: dict[int, Any] = {}  # id(event) -> the one key that stays for it: the last in
+    for other, event in entries:  # insertion order, or ``key`` for its own event
+        keep[id(event)] = other
+    newest = uses.get(key)
+    if newest is not None:
+        keep[id(newest)] = key
+    for other, event in entries:
+        if other == key or (keep[id(event)] == other and not _reached(event)):
+            continue
+        # Another thread may note a later use of that stream meanwhile: the pop takes it
+        # (identity differs) and it goes back, unless one still later came in between.
+        taken = uses.pop(other, None)
+        if taken is not None and taken is not event:
+            uses.setdefault(other, taken)
+
+
+def _reached(event: Any) -> bool:
+    try:
+        return bool(event.query())
+    except Exception:  # a device error: keep what orders what (the next wait reports it)
+        return False
+
+
 
 class Buffer:
     """``nbytes`` of device memory at ``ptr``, owned: ``free()`` (stream-ordered where the device

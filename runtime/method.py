@@ -27,7 +27,7 @@ import numpy as np
 from .dtypes import DTYPES
 from .errors import InvalidArgument, InvalidInput, InvalidState, MethodBusy, NotSupported
 from .event import Event
-from .memory import Buffer, DeviceArray
+from .memory import PRUNE_USES_AT, Buffer, DeviceArray, prune_uses
 from .result import OutputPool, PooledBuffer, Result, _Holder
 from .stream import current_stream
 
@@ -440,7 +440,10 @@ class Method:
         touched is in use there until then (rule 8), and the method's next execute on another
         stream waits for it (rule 4)."""
         for buffer in used:
-            buffer.uses[key] = event
+            uses = buffer.uses
+            uses[key] = event
+            if len(uses) >= PRUNE_USES_AT:  # a stream per request: bounded (prune_uses)
+                prune_uses(uses, key)
         self._uses[key] = event
         self.last_event = event
         self._last_stream_key = key

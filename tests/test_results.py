@@ -236,6 +236,42 @@ def test_consumer_on_another_stream_never_sees_overwritten_data(device):
     np.testing.assert_array_equal(again.to_host(), 2 * x2)
 
 
+def test_a_long_lived_input_read_under_a_stream_per_request_stays_bounded(device):
+    """A Result read under a new stream per request kept an entry per stream in its buffer's
+    uses (rule 8's readers) for as long as it lived: 100,000 requests, 100,000 entries (on
+    CUDA, as many events kept). Finished readers are now dropped at 64 entries and each
+    doubling; one still reading (behind a latch) is kept, and the buffer's rewrite waits
+    for it."""
+    from streamlane.runtime.memory import PRUNE_USES_AT
+
+    producer = scaler().method("forward", device=device)
+    consumer = scaler(factor=3.0).method("forward", device=device)
+    reader = scaler(factor=3.0).method("forward", device=device)  # the held one (rule 4
+    x1, x2 = rand(), rand()  # would order the consumer's later calls after it)
+    r = producer([x1])[0]
+    uses = r.array.buffer.uses
+    with device.create_stream() as held, device.create_latch() as latch:
+        with CallerStream(held):
+            latch.hold(held)  # this reader's work is not finished
+            c = reader([r])[0]
+        for _ in range(5 * PRUNE_USES_AT):
+            with device.create_stream() as s, CallerStream(s):
+                consumer([r])[0].to_host()  # a request, finished
+        assert len(uses) < 2 * PRUNE_USES_AT, len(uses)
+        assert held.key in uses
+        consumer.set_inputs([rand()])  # the readers let go of r
+        reader.set_inputs([rand()])
+        del r
+        gc.collect()
+        again = producer([x2])[0]  # reuses r's buffer: must wait for the held reader
+        time.sleep(0.05)
+        assert not again.ready(), "the producer rewrote a buffer a held stream still reads"
+        latch.release()
+        with CallerStream(held):
+            np.testing.assert_array_equal(c.to_host(), 6 * x1)
+    np.testing.assert_array_equal(again.to_host(), 2 * x2)
+
+
 def test_consumer_on_another_thread_with_injected_delay(host):
     """The same race with a consumer on another thread whose stream runs late (injected delay):
     the producer's next execute must wait for that thread's read on the device."""
