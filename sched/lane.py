@@ -37,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from streamlane.runtime import CallerStream, Device, Event, current_stream
+from streamlane.runtime import CallerStream, Device, Event, Method, current_stream
 from streamlane.runtime.errors import DeviceError, MethodBusy
 from streamlane.runtime.stream import no_caller_stream
 
@@ -142,7 +142,9 @@ class Lane:
         self.ready: anyio.Event | None = None
         self.exited: anyio.Event | None = None
         self.outstanding = 0
-        self.methods_bound = 0
+        # The live methods bound to this lane (a dropped method leaves it by itself): new
+        # methods go to the least loaded lane, then the one with the fewest
+        self.methods: weakref.WeakSet[Method] = weakref.WeakSet()
         self.thread = threading.Thread(target=self._run_lane, daemon=True,
                                        name=f"streamlane-lane-{index}")
         self.waiter = threading.Thread(target=self._run_waiter, daemon=True,

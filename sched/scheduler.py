@@ -577,11 +577,11 @@ class Scheduler:
                     lane, weakref.ref(job), all(step.kind == "kernel" for step in
                                                 method.definition.steps),
                     len(method.definition.steps) + 4)
-                lane.methods_bound += 1
+                lane.methods.add(method)
             else:
                 if state.lane is not lane:
-                    state.lane.methods_bound -= 1
-                    lane.methods_bound += 1
+                    state.lane.methods.discard(method)
+                    lane.methods.add(method)
                     state.lane = lane
                 state.last = weakref.ref(job)
             job._calls = state.calls
@@ -699,7 +699,7 @@ class Scheduler:
             return self.lanes[lane]
         if state is not None:
             return state.lane
-        return min(self.lanes, key=lambda ln: (ln.outstanding, ln.methods_bound, ln.index))
+        return min(self.lanes, key=lambda ln: (ln.outstanding, len(ln.methods), ln.index))
 
     def _check_input(self, method: Method, index: int, value: Any) -> Any:
         if isinstance(value, Result) and value.view_only:

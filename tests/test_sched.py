@@ -317,6 +317,27 @@ async def test_a_full_lane_makes_submit_wait(device):
         np.testing.assert_array_equal(out.to_host(), 2 * data(i))
 
 
+async def test_new_methods_spread_over_the_lanes_by_the_methods_alive(host):
+    """With the lanes idle, a new method goes to the lane with the fewest methods bound. A
+    dropped method was still counted (a service binding a method per request made one lane
+    look full forever: every later method went to the other)."""
+    program = double_program()
+    async with Scheduler(host, lanes=2) as sched:
+        for _ in range(50):  # a method per request, on lane 0, dropped after
+            await sched.run(program.method("forward", device=host), [data(0)], lane=0)
+        gc.collect()
+        kept = [program.method("forward", device=host) for _ in range(4)]
+        picked = []
+        for m in kept:
+            await sched.run(m, [data(1)])
+            picked.append(sched._methods[m].lane.index)
+        assert picked == [0, 1, 0, 1]
+        moved = program.method("forward", device=host)
+        await sched.run(moved, [data(2)], lane=0)
+        await sched.run(moved, [data(3)], lane=1)  # a move counts on its new lane only
+        assert [len(lane.methods) for lane in sched.lanes] == [2, 3]
+
+
 async def test_a_method_stays_on_its_lane_until_moved_and_the_move_is_ordered(device):
     m1 = double_program("m1").method("forward", device=device)
     m2 = double_program("m2").method("forward", device=device)
