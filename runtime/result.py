@@ -61,10 +61,17 @@ class PooledBuffer:
     blind_exports_seen = False
 
     def export_to(self, consumer: Stream | None) -> None:
-        """Note a consumer of the buffer (another library); None: its stream is unknown."""
+        """Note a consumer of the buffer (another library); None: its stream is unknown. Each
+        stream once (a cached output wrapped again on every request read as a new consumer
+        each time: one entry per read until the buffer's next write)."""
         with self.lock:
             self.exported = True
-            self.export_streams.append(consumer)
+            streams = self.export_streams
+            if consumer is None:
+                if None not in streams:
+                    streams.append(None)
+            elif not any(c is not None and c.key == consumer.key for c in streams):
+                streams.append(consumer)
         if consumer is None:
             PooledBuffer.blind_exports_seen = True
 

@@ -272,6 +272,25 @@ def test_a_long_lived_input_read_under_a_stream_per_request_stays_bounded(device
     np.testing.assert_array_equal(again.to_host(), 2 * x2)
 
 
+def test_a_buffer_notes_each_consumer_stream_once(host, monkeypatch):
+    """A held output that another library wraps again on every request (CUDA:
+    ``__cuda_array_interface__`` on each read, DLPack per call) noted one consumer per wrap,
+    until the buffer's next write: a list growing with every request."""
+    from streamlane.runtime.result import PooledBuffer
+
+    monkeypatch.setattr(PooledBuffer, "blind_exports_seen", False)  # restored after the test
+    r = scaler().method("forward", device=host)([rand()])[0]
+    pooled = r._holder.pooled
+    with host.create_stream() as a, host.create_stream() as b:
+        for _ in range(1000):
+            for consumer in (a, b, a):
+                pooled.export_to(consumer)
+        assert pooled.export_streams == [a, b]
+        for _ in range(1000):
+            pooled.export_to(None)
+        assert pooled.export_streams == [a, b, None] and pooled.needs_device_wait
+
+
 def test_consumer_on_another_thread_with_injected_delay(host):
     """The same race with a consumer on another thread whose stream runs late (injected delay):
     the producer's next execute must wait for that thread's read on the device."""
