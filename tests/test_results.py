@@ -213,6 +213,19 @@ def test_a_views_method_refuses_its_own_output_as_input(device):
     np.testing.assert_array_equal(m([again])[0].to_host(), 4 * x)
 
 
+def rewrite_waits_for_the_held_read(producer, x, latch, stream, read, want):
+    """Rule 8: ``producer``'s next execute reuses the buffer of its dropped output, which
+    ``read`` (queued on ``stream`` behind ``latch``) still reads: it must wait for that read."""
+    gc.collect()
+    again = producer([x])[0]
+    time.sleep(0.05)
+    assert not again.ready(), "the producer rewrote a buffer another stream still reads"
+    latch.release()
+    with CallerStream(stream):
+        np.testing.assert_array_equal(read.to_host(), want)
+    np.testing.assert_array_equal(again.to_host(), 2 * x)
+
+
 def test_consumer_on_another_stream_never_sees_overwritten_data(device):
     """Rule 8: the producer's next execute must not rewrite a buffer that a consumer on another
     stream has not read yet, even after the result object was dropped."""
@@ -226,14 +239,7 @@ def test_consumer_on_another_stream_never_sees_overwritten_data(device):
             c = consumer([r])[0]
             consumer.set_inputs([rand()])  # the consumer lets go of r; its read is still queued
         del r
-        gc.collect()
-        again = producer([x2])[0]  # reuses r's buffer: must wait for the consumer's read
-        time.sleep(0.05)
-        assert not again.ready(), "the producer rewrote a buffer another stream still reads"
-        latch.release()
-        with CallerStream(other):
-            np.testing.assert_array_equal(c.to_host(), 6 * x1)
-    np.testing.assert_array_equal(again.to_host(), 2 * x2)
+        rewrite_waits_for_the_held_read(producer, x2, latch, other, c, 6 * x1)
 
 
 def test_a_long_lived_input_read_under_a_stream_per_request_stays_bounded(device):
@@ -262,14 +268,7 @@ def test_a_long_lived_input_read_under_a_stream_per_request_stays_bounded(device
         consumer.set_inputs([rand()])  # the readers let go of r
         reader.set_inputs([rand()])
         del r
-        gc.collect()
-        again = producer([x2])[0]  # reuses r's buffer: must wait for the held reader
-        time.sleep(0.05)
-        assert not again.ready(), "the producer rewrote a buffer a held stream still reads"
-        latch.release()
-        with CallerStream(held):
-            np.testing.assert_array_equal(c.to_host(), 6 * x1)
-    np.testing.assert_array_equal(again.to_host(), 2 * x2)
+        rewrite_waits_for_the_held_read(producer, x2, latch, held, c, 6 * x1)
 
 
 def test_a_buffer_notes_each_consumer_stream_once(host, monkeypatch):
