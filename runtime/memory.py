@@ -28,28 +28,29 @@ def prune_uses(uses: dict[Any, Any], key: Any) -> None:
     more; at that many and at each doubling, it drops the entries a rewrite or free no longer
     needs to wait for, so a few streams never pay for this and many pay little per use:
 
-    - an entry whose event another entry also holds: the event is re-recorded by each execute
-      of the method that owns it, on its latest stream, and rule 4 orders each of those
-      executes after the one before, so waiting for the event's latest record covers every
-      stream it was noted for (the newest key is kept);
-    - an entry whose event the device has reached (its work, or later work, has finished)."""
+    - an entry of another stream holding the very event just noted for ``key``: a method's
+      pooled output event, which each execute of that method re-records on its own stream,
+      and rule 4 orders each execute after the one before, so its record on ``key`` now
+      comes after every earlier use it marked (a rewrite on ``key`` is ordered after it by
+      the stream, any other waits for it);
+    - an entry whose event the device has reached (its work, or later work, has finished).
+
+    An event other entries share is kept under each of their keys: only its latest record is
+    waited for, and a rewrite skips the entry of its own stream, so dropping any of them
+    could let a rewrite overtake a use it no longer sees."""
     n = len(uses)
     if n & (n - 1):
         return
-    entries = list(uses.items())  # a copy: another thread may note a use meanwhile
-    keep: dict[int, Any] = {}  # id(event) -> the one key that stays for it: the last in
-    for other, event in entries:  # insertion order, or ``key`` for its own event
-        keep[id(event)] = other
     newest = uses.get(key)
-    if newest is not None:
-        keep[id(newest)] = key
-    for other, event in entries:
-        if other == key or (keep[id(event)] == other and not _reached(event)):
+    for other, event in list(uses.items()):  # a copy: another thread may note a use meanwhile
+        if other == key or (event is not newest and not _reached(event)):
             continue
-        # Another thread may note a later use of that stream meanwhile: the pop takes it
-        # (identity differs) and it goes back, unless one still later came in between.
+        # Another thread may note a later use of that stream meanwhile, with another event
+        # or the same one re-recorded (a method's pooled event): the pop takes it, and it
+        # goes back unless it is that event, reached (a note comes after its record), or a
+        # still later note came in between.
         taken = uses.pop(other, None)
-        if taken is not None and taken is not event:
+        if taken is not None and (taken is not event or not _reached(taken)):
             uses.setdefault(other, taken)
 
 

@@ -213,7 +213,7 @@ def test_a_views_method_refuses_its_own_output_as_input(device):
     np.testing.assert_array_equal(m([again])[0].to_host(), 4 * x)
 
 
-def rewrite_waits_for_the_held_read(producer, x, latch, stream, read, want):
+def rewrite_waits_for_the_held_read(producer, x, latch, stream, read, want, factor=2.0):
     """Rule 8: ``producer``'s next execute reuses the buffer of its dropped output, which
     ``read`` (queued on ``stream`` behind ``latch``) still reads: it must wait for that read."""
     gc.collect()
@@ -223,7 +223,7 @@ def rewrite_waits_for_the_held_read(producer, x, latch, stream, read, want):
     latch.release()
     with CallerStream(stream):
         np.testing.assert_array_equal(read.to_host(), want)
-    np.testing.assert_array_equal(again.to_host(), 2 * x)
+    np.testing.assert_array_equal(again.to_host(), factor * x)
 
 
 def test_consumer_on_another_stream_never_sees_overwritten_data(device):
@@ -269,6 +269,78 @@ def test_a_long_lived_input_read_under_a_stream_per_request_stays_bounded(device
         reader.set_inputs([rand()])
         del r
         rewrite_waits_for_the_held_read(producer, x2, latch, held, c, 6 * x1)
+
+
+def test_pruning_a_buffers_readers_keeps_every_stream_a_shared_event_orders(host):
+    """A method's pooled output event is re-recorded on each stream the method runs on, so
+    several readers' entries may hold one event. An earlier pruning kept one key per event:
+    here s1's, while the event's latest record was on s2, held by a latch; a rewrite on s1
+    skipped its own stream's entry and overwrote the buffer s2 had yet to read (found by a
+    review of the pruning)."""
+    from streamlane.runtime.memory import PRUNE_USES_AT
+
+    producer = scaler(shape=(4,), factor=1.0).method("forward", device=host)
+    reader = scaler(shape=(4,), factor=10.0).method("forward", device=host)  # one output:
+    filler = scaler(shape=(4,), factor=3.0).method("forward", device=host)  # pooled events
+    x0, x1 = np.full(4, 1.0, np.float32), np.full(4, 7.0, np.float32)
+    r = producer([x0])[0]
+    uses = r.array.buffer.uses
+    s1, s2, s3 = (host.create_stream() for _ in range(3))
+    latch = host.create_latch()
+    try:
+        # The reader's buffers A and B take turns (the method holds its last outputs): A on
+        # s2, B on s3, A on s1, B on s3, then A on s2 behind the latch.
+        for stream in (s2, s3, s1, s3):
+            with CallerStream(stream):
+                reader([r])
+        with CallerStream(s2):
+            latch.hold(s2)
+            held = reader([r])[0]  # must read x0
+        assert uses[s1.key] is uses[s2.key], "the case under test: one event, two streams"
+        for _ in range(PRUNE_USES_AT - len(uses)):  # readers on new streams: the pruning runs
+            with host.create_stream() as t, CallerStream(t):
+                filler([r])[0].to_host()
+        for method in (reader, filler):
+            method.set_inputs([x0])  # they let go of r
+        del r
+        with CallerStream(s1):  # reuses r's buffer: must wait for the read held on s2
+            rewrite_waits_for_the_held_read(producer, x1, latch, s2, held, 10 * x0, factor=1.0)
+    finally:
+        latch.release()
+        for stream in (s1, s2, s3):
+            stream.close()
+
+
+def test_pruning_keeps_a_use_noted_again_while_it_decides():
+    """Another thread may re-record a method's pooled event and note it again for the same
+    stream between the pruning's query (reached) and its removal; identity cannot tell the
+    new note from the old one (the same event object), so the removal re-checks the event
+    (found by a review of the pruning, with a hook switching threads inside the query)."""
+    from streamlane.runtime.memory import PRUNE_USES_AT, prune_uses
+
+    class Event:
+        def __init__(self, done):
+            self.done, self.on_query = done, None
+
+        def query(self):
+            done, hook, self.on_query = self.done, self.on_query, None
+            if hook is not None:
+                hook()
+            return done
+
+    shared = Event(done=True)  # its last use on "k" has finished...
+    uses = {"k": shared}
+    uses.update({i: Event(done=False) for i in range(PRUNE_USES_AT - 2)})
+    uses["now"] = Event(done=False)  # the use just noted
+
+    def noted_again():  # ...and, as it is queried, its method runs again on "k"
+        shared.done = False
+        uses["k"] = shared
+
+    shared.on_query = noted_again
+    prune_uses(uses, "now")
+    assert uses.get("k") is shared, "a use still running was forgotten"
+    assert len(uses) == PRUNE_USES_AT
 
 
 def test_a_buffer_notes_each_consumer_stream_once(host, monkeypatch):
