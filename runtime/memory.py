@@ -43,15 +43,21 @@ def prune_uses(uses: dict[Any, Any], key: Any) -> None:
         return
     newest = uses.get(key)
     for other, event in list(uses.items()):  # a copy: another thread may note a use meanwhile
-        if other == key or (event is not newest and not _reached(event)):
+        if other == key:
             continue
-        # Another thread may note a later use of that stream meanwhile, with another event
-        # or the same one re-recorded (a method's pooled event): the pop takes it, and it
-        # goes back unless it is that event, reached (a note comes after its record), or a
+        # No other thread records the event just noted (its method is ours until the execute
+        # ends), but one may note a later use of a stream meanwhile, with another event or a
+        # reached one re-recorded (a method's pooled event): the pop takes it, and it goes
+        # back unless it is that event, still reached (a note comes after its record), or a
         # still later note came in between.
-        taken = uses.pop(other, None)
-        if taken is not None and (taken is not event or not _reached(taken)):
-            uses.setdefault(other, taken)
+        if event is newest:
+            taken = uses.pop(other, None)
+            if taken is not None and taken is not event:
+                uses.setdefault(other, taken)
+        elif _reached(event):
+            taken = uses.pop(other, None)
+            if taken is not None and (taken is not event or not _reached(taken)):
+                uses.setdefault(other, taken)
 
 
 def _reached(event: Any) -> bool:
