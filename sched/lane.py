@@ -697,8 +697,10 @@ class Lane:
 
     def _not_run(self, job: Job, state: str, error: BaseException) -> None:
         with self._lock:
-            if self._uncount(job):  # else the loop has counted it (not_run_here)
+            if self._uncount(job):  # else the loop has counted it (not_run_here, claim_taken)
                 self._completed += 1
+            job._claimed = True  # counted: a device break's claim_taken, until the publish
+            # below, must not take it for a job counted in flight
         job._not_run_state = state
         job._publish(None, None, error)
         self._core.waker.post(_Call(self._core.finish, job, state, error))

@@ -109,6 +109,53 @@ async def test_statistics_agree_with_the_jobs_a_device_failure_failed(host, monk
                 await j0
 
 
+async def test_a_job_its_lane_refused_as_the_device_broke_is_counted_once(host):
+    """A lane thread that sees the break itself (in a host wait on another lane's job) counts
+    its job completed, then publishes it. The loop's settling of the break, run in between,
+    took it for a job in flight and counted it again: in_flight -1, completed 2 (found by a
+    review of claim_taken). An input's __del__, run as the publish drops the inputs, holds
+    the thread in that window until the loop has settled the job."""
+    a, j, f = (double_program(n).method("forward", device=host) for n in "ajf")
+    settled: list[Job] = []
+
+    class HoldsThePublish:
+        def __array__(self, dtype=None, copy=None):
+            return data(1)
+
+        def __del__(self):  # on lane 1's thread, inside the job's publish
+            deadline = time.monotonic() + 5
+            while settled and not settled[0]._finished and time.monotonic() < deadline:
+                time.sleep(0.005)
+
+    held = host.create_stream()
+    with anyio.fail_after(30):
+        async with Scheduler(host, lanes=3) as sched:
+            gate = Gate(data(0))
+            try:
+                first = await sched.submit(a, [gate], lane=0)  # lane 0 held in set_inputs
+                await wait_until(gate.entered.is_set)
+                job = await sched.submit(j, [HoldsThePublish()], lane=1, after=[first])
+                settled.append(job)
+                await anyio.sleep(0.1)  # lane 1's thread waits on the host for `first`
+                with host.create_latch() as latch:
+                    latch.hold(held)
+                    host.inject_failure(held, "injected kernel fault")
+                    faulty = await sched.submit(f, [data(3)], lane=2, stream=held)
+                    await wait_until(lambda: faulty.state == "running")
+                    latch.release()
+                    time.sleep(0.5)  # the loop busy: lane 1's thread sees the break first
+                await wait_until(lambda: job._finished)
+            finally:
+                gate.open()
+            for each in (first, job, faulty):
+                with pytest.raises(SchedulerBroken):
+                    await each
+            await wait_until(lambda: job._is_published)
+            lane1 = sched.statistics()[1]
+            assert (lane1.queued, lane1.in_flight, lane1.completed) == (0, 0, 1), lane1
+            assert sched.lanes[1]._queued_calls == 0
+
+
 async def test_a_job_failed_while_its_lane_enqueued_it_keeps_no_outputs(host):
     """The device broke while lane 0's thread was inside a job's set_inputs (a Gate input):
     the loop failed the job at once; when the thread got out it enqueued the job anyway and
