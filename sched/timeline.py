@@ -14,6 +14,7 @@ import heapq
 import json
 import math
 import os
+import stat
 import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -246,21 +247,44 @@ def _path(path: object, what: str) -> Path:
 
 
 def _write_file(path: Path, write: Any) -> None:
-    """Write ``path`` whole or not at all: ``write(f)`` fills a new hidden file beside it,
-    which then replaces it (an earlier trace stays as it was if the write fails: a full disk,
-    a file size limit, a Ctrl-C). The folders are made first; as with ``open()``, a symlink is
-    written through (its target is replaced), and the file gets the mode ``open()`` would give
-    it (that of the file it replaces, else 0o666 less the umask)."""
+    """Write the file ``open(path, "wb")`` would write: through symlinks (a loop raises as it
+    would), the folders made first. A regular file of one name is written whole or not at
+    all: ``write(f)`` fills a new hidden file beside it, which then replaces it (an earlier
+    trace stays as it was if the write fails: a full disk, a file size limit, a Ctrl-C), with
+    the mode ``open()`` leaves (that of the file it replaces, else 0o666 less the umask).
+    Anything else is written in place, as ``open()`` would: a device or a pipe (replacing
+    ``/dev/null`` would be a disaster), a file with other names (hard links), one we may not
+    write (``open()``'s error), or one in a folder we may not add to."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path = Path(os.path.realpath(path))
+    try:
+        path = Path(os.path.realpath(path, strict=True))
+    except FileNotFoundError:  # a new file, or a link to one: made where it points
+        path = Path(os.path.realpath(path))
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        st = None
+    if st is not None and (not stat.S_ISREG(st.st_mode) or st.st_nlink > 1
+                           or not os.access(path, os.W_OK)):
+        _write_in_place(path, write)
+        return
     temp = path.with_name(f".streamlane-write-{uuid.uuid4().hex}.tmp")  # fits any name limit
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    except PermissionError:  # a folder we may not add to (the file itself may be writable)
+        _write_in_place(path, write)
+        return
     try:
         with os.fdopen(fd, "wb") as f:
-            if path.is_file():
-                os.chmod(f.fileno(), path.stat().st_mode & 0o7777)
+            if st is not None:
+                os.chmod(f.fileno(), st.st_mode & 0o7777)
             write(f)
         os.replace(temp, path)
     except BaseException:
         temp.unlink(missing_ok=True)
         raise
+
+
+def _write_in_place(path: Path, write: Any) -> None:
+    with open(path, "wb") as f:
+        write(f)

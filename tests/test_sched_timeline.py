@@ -367,6 +367,41 @@ def test_an_export_writes_through_a_symlink_and_keeps_the_mode(tmp_path):
     assert target.stat().st_mode & 0o777 == 0o640
 
 
+def test_an_export_writes_into_what_is_not_a_plain_file_as_open_does(tmp_path):
+    """Writing a new file and renaming it over the path replaced whatever the path named: a
+    device (as root, to_chrome_trace("/dev/null") would have replaced the system's), a pipe,
+    one name of a hard-linked file; a symlink loop became a file. Those are written as
+    ``open()`` writes them, and a loop raises as it does (found by a review)."""
+    import stat
+    import subprocess
+
+    timeline = Timeline([Span(0, "a", 0, "lane 0", 0.0, 1.0)])
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    reader = subprocess.Popen(["cat", str(fifo)], stdout=subprocess.PIPE)
+    timeline.to_chrome_trace(fifo)
+    assert json.loads(reader.communicate(timeout=30)[0])["otherData"]["jobs"] == 1
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    one, other = tmp_path / "one.json", tmp_path / "other.json"
+    one.write_text("old")
+    os.link(one, other)
+    timeline.to_chrome_trace(one)
+    assert other.read_text() == one.read_text() != "old"
+    try:
+        os.mknod(tmp_path / "null", 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    except PermissionError:
+        pass  # not root: no device to test with
+    else:
+        timeline.to_chrome_trace(tmp_path / "null")
+        assert stat.S_ISCHR(os.lstat(tmp_path / "null").st_mode)
+    (tmp_path / "a.json").symlink_to(tmp_path / "b.json")
+    (tmp_path / "b.json").symlink_to(tmp_path / "a.json")
+    with pytest.raises(OSError):
+        timeline.to_chrome_trace(tmp_path / "a.json")
+    assert (tmp_path / "a.json").is_symlink()
+    assert not list(tmp_path.glob(".streamlane-write-*"))
+
+
 def test_exports_refuse_a_folder_name_and_a_span_json_cannot_hold(tmp_path):
     """``to_chrome_trace("traces/")`` wrote a file named ``traces``; a NaN time was written as
     a bare ``NaN``, which is not JSON (Perfetto refuses the file)."""
