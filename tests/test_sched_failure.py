@@ -55,13 +55,13 @@ async def test_a_device_failure_fails_every_pending_job_and_breaks_the_scheduler
                     await sched.submit(first, [data(2)])
 
 
-async def _fault_on_lane_1(sched, host, method, held):
-    """Break the device: a job of ``method`` on lane 1, on stream ``held``, faults once it
-    runs (injected). Returns that job once the fault has happened."""
+async def _fault_on_lane_1(sched, host, method, held, lane=1):
+    """Break the device: a job of ``method`` on lane 1 (or ``lane``), on stream ``held``,
+    faults once it runs (injected). Returns that job once the fault has happened."""
     with host.create_latch() as latch:
         latch.hold(held)
         host.inject_failure(held, "injected kernel fault")
-        job = await sched.submit(method, [data(3)], lane=1, stream=held)
+        job = await sched.submit(method, [data(3)], lane=lane, stream=held)
         await wait_until(lambda: job.state == "running")
         latch.release()
     return job
@@ -137,13 +137,8 @@ async def test_a_job_its_lane_refused_as_the_device_broke_is_counted_once(host):
                 job = await sched.submit(j, [HoldsThePublish()], lane=1, after=[first])
                 settled.append(job)
                 await anyio.sleep(0.1)  # lane 1's thread waits on the host for `first`
-                with host.create_latch() as latch:
-                    latch.hold(held)
-                    host.inject_failure(held, "injected kernel fault")
-                    faulty = await sched.submit(f, [data(3)], lane=2, stream=held)
-                    await wait_until(lambda: faulty.state == "running")
-                    latch.release()
-                    time.sleep(0.5)  # the loop busy: lane 1's thread sees the break first
+                faulty = await _fault_on_lane_1(sched, host, f, held, lane=2)
+                time.sleep(0.5)  # the loop busy: lane 1's thread sees the break first
                 await wait_until(lambda: job._finished)
             finally:
                 gate.open()
