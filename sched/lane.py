@@ -122,8 +122,8 @@ class Lane:
         self._completions: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._queued = self._in_flight = self._completed = 0
-        self._handed = 0  # jobs given to the waiter thread and not yet settled by it
-        self._handed_jobs: deque[Job] = deque()  # those jobs, in the waiter's order (_lock)
+        # Jobs given to the waiter thread and not yet settled by it, in its order (_lock)
+        self._handed_jobs: deque[Job] = deque()
         self._queued_calls = 0  # driver calls of the jobs in flight (see HOLD_GIL_BELOW)
         self._park = threading.Event()  # what threads wait on once the device is lost
         self._busy_s = 0.0
@@ -610,7 +610,6 @@ class Lane:
     def _hand(self, job: Job) -> None:
         """Give a job in flight to the waiter thread."""
         with self._lock:  # one order for both: the waiter's (_look_behind_head)
-            self._handed += 1
             self._handed_jobs.append(job)
             self._completions.put(job)
             several = len(self._handed_jobs) > 1
@@ -631,7 +630,7 @@ class Lane:
 
         Only when the waiter holds no job of this lane, so the waiter's reports stay in order
         (jobs on other streams than the waiter's first are reported by ``_look_behind_head``)."""
-        if self._handed or not self._jobs.empty():
+        if self._handed_jobs or not self._jobs.empty():
             return None
         event = job.event
         assert event is not None
@@ -734,7 +733,6 @@ class Lane:
                         batch.append(nxt)
                 report = self._settle(batch, error)
                 with self._lock:
-                    self._handed -= len(batch)
                     for _ in range(len(batch)):  # the same jobs, first in line
                         self._handed_jobs.popleft()
                 # Not held once reported, nor while waiting for the next job: a finished job's
