@@ -186,18 +186,19 @@ class Lane:
 
     def claim_taken(self, job: Job, error: BaseException) -> None:
         """Loop thread, the device broke: count as completed a ``job`` this lane's thread has
-        taken and not yet published (it is inside its enqueue), so that ``statistics()``
-        agree at once with the job's settling as failed. Whatever the thread then does with
-        it counts nothing more: it finds the job out of the queued count (``_not_run``) or
-        claimed (``_execute`` counts no flight, the waiter settles nothing)."""
+        taken (in flight, or inside its enqueue), so that ``statistics()`` agree at once with
+        the job's settling as failed. Whoever gets to it later counts nothing more: the lane
+        thread finds it out of the queued count (``_not_run``) or claimed (``_execute``
+        counts no flight), the waiter finds it claimed. One refused by its lane
+        (``_not_run``) is claimed already."""
         with self._lock:
             if job._claimed:
                 return
-            if self._uncount(job):  # still counted queued: the thread has not counted it in
-                self._completed += 1  # flight
+            if self._uncount(job):  # still counted queued: its thread is enqueuing it
+                self._completed += 1
                 job._claimed = True
                 return
-        self._settle([job], error)  # counted in flight, published just behind: as the waiter
+        self._settle([job], error)  # counted in flight: as the waiter would
 
     def unpark(self, job: Job) -> None:
         """Give a parked job to the lane thread, behind anything queued before it (else the

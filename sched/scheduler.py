@@ -884,10 +884,7 @@ class Scheduler:
             if job._abandon(error):  # no lane had taken it: none will run it now
                 job._not_run_state = FAILED
                 job.lane.not_run_here(job)
-            elif job._is_published:
-                if job._enqueue_error is None:  # in flight: claimed here (its waiter then
-                    job.lane._settle([job], error)  # skips it); settled below
-            else:  # its lane's thread is enqueuing it (a host wait, a slow input, a lock)
+            else:  # in flight, or being enqueued by its lane's thread: claimed here
                 job.lane.claim_taken(job, error)
             self.finish(job, FAILED, error)
 
