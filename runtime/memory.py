@@ -45,19 +45,17 @@ def prune_uses(uses: dict[Any, Any], key: Any) -> None:
     for other, event in list(uses.items()):  # a copy: another thread may note a use meanwhile
         if other == key:
             continue
+        queried = event is not newest  # the event just noted needs no query
+        if queried and not _reached(event):
+            continue
         # No other thread records the event just noted (its method is ours until the execute
         # ends), but one may note a later use of a stream meanwhile, with another event or a
         # reached one re-recorded (a method's pooled event): the pop takes it, and it goes
         # back unless it is that event, still reached (a note comes after its record), or a
         # still later note came in between.
-        if event is newest:
-            taken = uses.pop(other, None)
-            if taken is not None and taken is not event:
-                uses.setdefault(other, taken)
-        elif _reached(event):
-            taken = uses.pop(other, None)
-            if taken is not None and (taken is not event or not _reached(taken)):
-                uses.setdefault(other, taken)
+        taken = uses.pop(other, None)
+        if taken is not None and (taken is not event or (queried and not _reached(taken))):
+            uses.setdefault(other, taken)
 
 
 def _reached(event: Any) -> bool:
@@ -65,7 +63,6 @@ def _reached(event: Any) -> bool:
         return bool(event.query())
     except Exception:  # a device error: keep what orders what (the next wait reports it)
         return False
-
 
 
 class Buffer:
