@@ -196,9 +196,9 @@ class Program:
         backup: Path | None = None  # the old constants, while the new ones take their place
         try:
             if npz is not None:
-                with _new_file(path.parent, written, like=npz) as f:
+                with new_hidden_file(path.parent, written, like=npz) as f:
                     np.savez(f, **{k: _npz_safe(v) for k, v in self.constants.items()})
-            with _new_file(path.parent, written, like=path) as f:
+            with new_hidden_file(path.parent, written, like=path) as f:
                 f.write((json.dumps(doc, indent=1) + "\n").encode("utf-8"))
             if npz is not None:
                 if npz.exists():  # its own earlier constants (_free_constants_path)
@@ -529,11 +529,12 @@ def _manifest_file(path: Path) -> Path:
                              str(exc)) from None
 
 
-def _new_file(folder: Path, written: list[Path], like: Path) -> Any:
+def new_hidden_file(folder: Path, written: list[Path], like: Path) -> Any:
     """A new file of a unique hidden name in ``folder``, open for binary writing, its path
     appended to ``written`` first (the caller removes what it does not rename). Its mode is
     that of ``like`` where ``like`` exists (the file it will replace), else 0o666 less the
-    umask, as a plain ``open()`` would leave it either way."""
+    umask, as a plain ``open()`` would leave it either way. (``Program.save`` and the
+    scheduler's timeline exports: written whole, then renamed into place.)"""
     temp = folder / f".streamlane-save-{uuid.uuid4().hex}.tmp"
     written.append(temp)
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)

@@ -15,13 +15,13 @@ import json
 import math
 import os
 import stat
-import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from streamlane.runtime.errors import InvalidArgument
+from streamlane.runtime.program import new_hidden_file
 
 __all__ = ["Span", "Timeline"]
 
@@ -268,21 +268,19 @@ def _write_file(path: Path, write: Any) -> None:
                            or not os.access(path, os.W_OK)):
         _write_in_place(path, write)
         return
-    temp = path.with_name(f".streamlane-write-{uuid.uuid4().hex}.tmp")  # fits any name limit
+    written: list[Path] = []  # the temporary file: removed unless renamed into place
     try:
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    except PermissionError:  # a folder we may not add to (the file itself may be writable)
-        _write_in_place(path, write)
-        return
-    try:
-        with os.fdopen(fd, "wb") as f:
-            if st is not None:
-                os.chmod(f.fileno(), st.st_mode & 0o7777)
+        try:
+            f = new_hidden_file(path.parent, written, like=path)
+        except PermissionError:  # a folder we may not add to (the file itself may be writable)
+            _write_in_place(path, write)
+            return
+        with f:
             write(f)
-        os.replace(temp, path)
-    except BaseException:
-        temp.unlink(missing_ok=True)
-        raise
+        os.replace(written[0], path)
+    finally:
+        for temp in written:
+            temp.unlink(missing_ok=True)
 
 
 def _write_in_place(path: Path, write: Any) -> None:

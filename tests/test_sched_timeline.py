@@ -399,7 +399,7 @@ def test_an_export_writes_into_what_is_not_a_plain_file_as_open_does(tmp_path):
     with pytest.raises(OSError):
         timeline.to_chrome_trace(tmp_path / "a.json")
     assert (tmp_path / "a.json").is_symlink()
-    assert not list(tmp_path.glob(".streamlane-write-*"))
+    assert not list(tmp_path.glob(".streamlane-*"))
 
 
 def test_exports_refuse_a_folder_name_and_a_span_json_cannot_hold(tmp_path):
