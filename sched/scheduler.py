@@ -97,6 +97,9 @@ UNOBSERVED_KEPT = 32
 # exception re-raised for every job grows its traceback each time, so the walk is bounded.
 _FORGET_FRAMES = 16
 _FORGET_ERRORS = 4
+# Frames that belong to a generator or coroutine: clearing one finalizes it, even suspended
+# (a task's frame may sit in a traceback raised twice, as Future.result() re-raises).
+_SUSPENDABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
 
 
 def _forget_locals(error: BaseException | None, tb: TracebackType | None) -> None:
@@ -123,11 +126,6 @@ def _forget_locals(error: BaseException | None, tb: TracebackType | None) -> Non
             if nxt is not None and id(nxt) not in seen:
                 seen.add(id(nxt))
                 pending.append((nxt, nxt.__traceback__))
-
-
-# Frames that belong to a generator or coroutine: clearing one finalizes it, even suspended
-# (a task's frame may sit in a traceback raised twice, as Future.result() re-raises).
-_SUSPENDABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
 
 
 # Schedulers entered and not closed yet. Their lane threads are daemons (an unclosed scheduler
