@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .dtypes import as_host_array, dtype_name
-from .errors import InvalidArgument
+from .errors import DeviceError, InvalidArgument
 from .memory import DeviceArray
 from .stream import Stream, current_stream
 
@@ -56,8 +56,9 @@ class PooledBuffer:
         self.export_streams: list[Stream | None] = []  # consumers' streams, None: unknown
         self.lock = threading.Lock()
 
-    # Set once any buffer goes to a consumer on an unknown stream, whose reuse then needs a
-    # device-wide host wait: until then Method.may_wait_on_host needs no scan.
+    # Set once any buffer goes to a consumer on an unknown stream or on a thread's per-thread
+    # stream, whose reuse may then need a device-wide host wait: until then
+    # Method.may_wait_on_host needs no scan.
     blind_exports_seen = False
 
     def export_to(self, consumer: Stream | None) -> None:
@@ -72,13 +73,18 @@ class PooledBuffer:
                     streams.append(None)
             elif not any(c is not None and c.key == consumer.key for c in streams):
                 streams.append(consumer)
-        if consumer is None:
+        if consumer is None or consumer.owner_thread is not None:
             PooledBuffer.blind_exports_seen = True
 
     @property
     def needs_device_wait(self) -> bool:
-        """Whether rewriting it needs a device-wide host wait: a consumer's stream is unknown."""
-        return self.exported and None in self.export_streams
+        """Whether rewriting it from the calling thread needs a device-wide host wait: a
+        consumer's stream is unknown, or is another thread's per-thread stream (which only
+        that thread can record on: from here the same handle names this thread's)."""
+        if not self.exported:
+            return False
+        me = threading.get_ident()
+        return any(c is None or c.owner_thread not in (None, me) for c in self.export_streams)
 
     def prepare_write(self, stream: Stream) -> None:
         """Order ``stream`` after every use of this buffer elsewhere (rule 8); called by the
@@ -98,12 +104,22 @@ class PooledBuffer:
             blind = self.needs_device_wait
             self.exported = False
             consumers, self.export_streams = self.export_streams, []
-        if blind:  # a consumer on an unknown stream: only a device-wide wait is safe
+        if not blind:
+            for c in consumers:  # everything each consumer queued before it let go
+                if c is not None and c.key != stream.key:
+                    try:
+                        marker = c.record()
+                    except DeviceError:
+                        # Its owner destroyed the stream (the consumer is done with it, but
+                        # work it queued may still run; CUDA answers "context is destroyed"):
+                        # only a device-wide wait covers that work.
+                        if stream.device.lost:
+                            raise
+                        blind = True
+                        break
+                    stream.wait(marker)
+        if blind:  # a consumer we cannot order after: only a device-wide wait is safe
             stream.device.synchronize()
-            return
-        for c in consumers:  # everything each consumer queued before it let go
-            if c is not None and c.key != stream.key:
-                stream.wait(c.record())
 
 
 class OutputPool:

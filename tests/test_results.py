@@ -362,6 +362,90 @@ def test_a_buffer_notes_each_consumer_stream_once(host, monkeypatch):
         assert pooled.export_streams == [a, b, None] and pooled.needs_device_wait
 
 
+def _foreign_read_held(host, r, stream):
+    """Another library's read of ``r`` queued on ``stream`` behind a latch, as it would be after
+    ``__dlpack__(stream=...)``: a raw copy (no method, so no rule-8 reader entry) into a
+    scratch array. Returns the latch and the scratch array."""
+    latch = host.create_latch()
+    latch.hold(stream)
+    scratch = host.empty(r.shape, "float32", stream)
+    host.copy(scratch, r.array, stream)
+    r._holder.pooled.export_to(stream)
+    return latch, scratch
+
+
+def test_a_consumer_stream_its_owner_destroyed_costs_a_device_wide_wait_not_an_error(
+        host, monkeypatch):
+    """Seen on the H200: a DLPack consumer that let go of a result and then destroyed its
+    stream (CuPy's streams are destroyed with their object) made the producer's next execute
+    that rewrote the buffer fail, with CUDA's "context is destroyed" from recording on the gone
+    stream. The work that stream queued may still run, so the rewrite now waits for the whole
+    device instead; here the "destroyed" stream's read is held by a latch a timer releases."""
+    import threading
+
+    from streamlane.runtime.errors import DeviceError
+
+    m = scaler().method("forward", device=host)
+    x1, x2 = rand(), rand()
+    r = m([x1])[0]
+    gone = host.create_stream()
+    latch, scratch = _foreign_read_held(host, r, gone)
+    impl, real = gone._impl, type(host)._record
+
+    def record(self, event, stream_impl):
+        if stream_impl is impl:
+            raise DeviceError("CUDA_ERROR_CONTEXT_IS_DESTROYED: context is destroyed")
+        return real(self, event, stream_impl)
+
+    monkeypatch.setattr(type(host), "_record", record)
+    del r
+    gc.collect()
+    timer = threading.Timer(0.1, latch.release)
+    timer.start()
+    try:
+        again = m([x2])[0]  # rewrites the buffer the consumer read: after its read
+        np.testing.assert_array_equal(again.to_host(), 2 * x2)
+        host.synchronize()  # the "destroyed" stream takes no more work: read from another
+        np.testing.assert_array_equal(host.to_host(scratch, host.per_thread_stream()), 2 * x1)
+    finally:
+        timer.join()
+        gone.close()
+
+
+def test_a_consumer_on_another_threads_per_thread_stream_is_waited_for_from_any_thread(host):
+    """A consumer on its thread's per-thread stream (DLPack ``stream=2``), the buffer then
+    rewritten by another thread (a scheduler's lane): recording on that stream from the
+    rewriting thread raised ``InvalidState`` ("the per-thread stream of another thread"),
+    failing the execute. From another thread the rewrite now waits for the whole device (only
+    the consumer's thread can mark its stream), which ``may_wait_on_host`` says there; the
+    consumer's own thread still waits on the device, without a host wait."""
+    import threading
+
+    m = scaler().method("forward", device=host)
+    x1, x2 = rand(), rand()
+    r = m([x1])[0]
+    mine = host.per_thread_stream()
+    latch, scratch = _foreign_read_held(host, r, mine)
+    del r
+    gc.collect()
+    assert not m.may_wait_on_host()  # this thread can record on its own per-thread stream
+    box = {}
+
+    def rewrite():
+        box["may_wait"] = m.may_wait_on_host()
+        box["again"] = m([x2])[0].to_host()
+
+    thread = threading.Thread(target=rewrite)
+    timer = threading.Timer(0.1, latch.release)
+    thread.start()
+    timer.start()
+    thread.join(10)
+    timer.join()
+    assert box.get("may_wait") is True
+    np.testing.assert_array_equal(box.get("again"), 2 * x2)
+    np.testing.assert_array_equal(host.to_host(scratch, mine), 2 * x1)
+
+
 def test_consumer_on_another_thread_with_injected_delay(host):
     """The same race with a consumer on another thread whose stream runs late (injected delay):
     the producer's next execute must wait for that thread's read on the device."""
@@ -565,6 +649,51 @@ def test_torch_reads_stay_safe_when_the_buffer_returns(cuda_device):
     m([rand((1024, 1024))])
     expected = float((2 * x).astype(np.float64).sum())
     assert abs(float(total.cpu()) - expected) <= 1e-3 * abs(expected) + 1e-2
+
+
+@pytest.mark.cuda
+def test_a_dlpack_consumer_stream_destroyed_before_the_rewrite_is_not_an_error(cuda_device):
+    """A consumer lets go of a result and destroys its stream; the producer's next execute
+    rewrites the buffer. It failed with CUDA_ERROR_CONTEXT_IS_DESTROYED (driver 580) from
+    recording on the gone stream; it now waits for the whole device instead."""
+    from cuda.bindings import driver as cu
+
+    m = scaler().method("forward", device=cuda_device)
+    x1, x2 = rand(), rand()
+    r = m([x1])[0]
+    err, handle = cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING.value)
+    assert err == cu.CUresult.CUDA_SUCCESS
+    capsule = r.__dlpack__(stream=int(handle))  # a consumer on its own stream...
+    del capsule, r  # ...lets go,
+    assert cu.cuStreamDestroy(handle)[0] == cu.CUresult.CUDA_SUCCESS  # and destroys it
+    gc.collect()
+    np.testing.assert_array_equal(m([x2])[0].to_host(), 2 * x2)
+    np.testing.assert_array_equal(m([x1])[0].to_host(), 2 * x1)
+    assert not cuda_device.lost
+
+
+@pytest.mark.cuda
+def test_a_dlpack_consumer_on_its_per_thread_stream_then_a_rewrite_from_another_thread(
+        cuda_device):
+    """DLPack ``stream=2`` names the consumer thread's per-thread stream; a rewrite from
+    another thread raised InvalidState recording on it. It now waits for the device."""
+    import threading
+
+    m = scaler().method("forward", device=cuda_device)
+    x1, x2 = rand(), rand()
+    r = m([x1])[0]
+    capsule = r.__dlpack__(stream=2)
+    del capsule, r
+    gc.collect()
+    box = {}
+
+    def rewrite():
+        box["again"] = m([x2])[0].to_host()
+
+    thread = threading.Thread(target=rewrite)
+    thread.start()
+    thread.join(30)
+    np.testing.assert_array_equal(box.get("again"), 2 * x2)
 
 
 @pytest.mark.cuda
