@@ -778,7 +778,8 @@ class _Validator:
                 consts[k] = v
                 continue
             native = v.dtype.newbyteorder("=")
-            array = np.ascontiguousarray(v, dtype=native) if self.folder is not None \
+            # (np.asarray, not np.ascontiguousarray: that one makes a 0-d array 1-d)
+            array = np.asarray(v, dtype=native, order="C") if self.folder is not None \
                 else np.array(v, dtype=native, order="C", copy=True)
             array.flags.writeable = False
             consts[k] = array

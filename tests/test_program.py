@@ -57,6 +57,26 @@ def test_save_round_trips_exactly(tmp_path):
                                                                                '"r.npz"')
 
 
+@pytest.mark.parametrize("value", [np.float32(2.5), np.array(7, np.int32)], ids=["f32", "i32"])
+def test_a_scalar_constant_loads_as_saved_and_from_a_hand_written_npz(tmp_path, value):
+    """A 0-d constant (shape [], like a scalar input) was refused by load(), even from a file
+    save() had just written ("expected float32[1], as the constants .npz holds"), and from a
+    hand-written .npz with a message saying the file changed while it was read: the load
+    made it 1-d (np.ascontiguousarray does) before comparing it with its header."""
+    b = Program.build("p", constants={"s": value})
+    m = b.method("forward", x=("float32", [4]))
+    m.output(m.step("add", "x", "x", out="y"))
+    p = b.finish()
+    p.save(tmp_path / "p.json")
+    q = Program.load(tmp_path / "p.json")
+    assert q == p and q.constants["s"].shape == () and q.constants["s"] == value
+    doc = manifest()
+    doc["methods"]["forward"]["steps"].pop()
+    hand = tmp_path / "hand"
+    hand.mkdir()
+    assert Program.load(write(hand, doc, {"w1": W, "s": value})).constants["s"].shape == ()
+
+
 def small(w: float) -> Program:
     b = Program.build("p", constants={"w": np.full((2, 2), w, np.float32)})
     m = b.method("f", x=("float32", [2, 2]))
