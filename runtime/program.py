@@ -533,11 +533,15 @@ def new_hidden_file(folder: Path, written: list[Path], like: Path) -> Any:
     """A new file of a unique hidden name in ``folder``, open for binary writing, its path
     appended to ``written`` first (the caller removes what it does not rename). Its mode is
     that of ``like`` where ``like`` exists (the file it will replace), else 0o666 less the
-    umask, as a plain ``open()`` would leave it either way. (``Program.save`` and the
+    umask, as a plain ``open()`` would leave it either way. A failure to create it raises
+    the ``OSError`` subclass ``open()`` would, naming ``like``. (``Program.save`` and the
     scheduler's timeline exports: written whole, then renamed into place.)"""
     temp = folder / f".streamlane-save-{uuid.uuid4().hex}.tmp"
     written.append(temp)
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    except OSError as exc:  # named by the file asked for, not by a name the caller never gave
+        raise OSError(exc.errno, exc.strerror, str(like)) from None
     try:
         if like.is_file():
             os.chmod(fd, like.stat().st_mode & 0o7777)

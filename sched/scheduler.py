@@ -718,7 +718,12 @@ class Scheduler:
     def _check_stream(self, stream: Any) -> None:
         """Validate ``stream=``. The last streamlane Stream that passed is remembered (weakly):
         ``submit`` then re-checks only whether it closed."""
-        CallerStream(stream)  # raises InvalidArgument for anything that is not a stream
+        if not isinstance(stream, Stream) and not hasattr(type(stream), "__cuda_stream__"):
+            raise InvalidArgument(  # CallerStream's own message offers None, the legacy stream
+                f"stream= takes a Stream of this device (device.create_stream()) or an object "
+                f"with __cuda_stream__ (torch, CuPy, cuda.core), got {type(stream).__name__}; "
+                f"leave it None to run the job on its lane's own stream")
+        CallerStream(stream)  # raises InvalidArgument for a bad __cuda_stream__
         if isinstance(stream, Stream):
             if stream.device is not self.device:
                 raise InvalidArgument(f"stream= {stream!r} belongs to {stream.device.name}, "

@@ -504,8 +504,10 @@ async def test_bad_arguments_raise_invalid_argument(device):
             await sched.submit(method, [data(0)], lane=True)
         with pytest.raises(InvalidArgument, match="after"):
             await sched.submit(method, [data(0)], after=["job"])
-        with pytest.raises(InvalidArgument, match="CallerStream expects"):
-            await sched.submit(method, [data(0)], stream=42)
+        for bad in (42, "s", object()):  # the message said None meant the legacy stream
+            with pytest.raises(InvalidArgument, match=r"stream= takes a Stream.*None to run "
+                                                      r"the job on its lane's own stream"):
+                await sched.submit(method, [data(0)], stream=bad)
         with pytest.raises(InvalidArgument, match="after= takes an iterable"):
             await sched.submit(method, [data(0)], after=None)
         with pytest.raises(InvalidArgument, match="per-thread stream"):

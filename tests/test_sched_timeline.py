@@ -350,6 +350,30 @@ def test_an_export_that_fails_leaves_the_earlier_file_whole(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.json", "t.png"]
 
 
+def test_an_export_that_cannot_create_its_file_names_the_path_given(tmp_path, monkeypatch):
+    """Where the new file could not be made (no space for it; a folder such as /proc that
+    takes no new files) the error named the hidden temporary file, a name the caller never
+    gave; it names the caller's path now, with the errno ``open()`` would give."""
+    import errno
+
+    from streamlane.runtime import program
+
+    timeline = Timeline([Span(0, "a", 0, "lane 0", 0.0, 1.0)])
+    real_open = os.open
+
+    def full(path, *args, **kwargs):
+        if ".streamlane-save-" in os.fspath(path):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.fspath(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(program.os, "open", full)
+    for export, name in ((timeline.to_chrome_trace, "t.json"), (timeline.plot, "t.png")):
+        with pytest.raises(OSError) as info:
+            export(tmp_path / name)
+        assert info.value.errno == errno.ENOSPC and info.value.filename == str(tmp_path / name)
+    assert not list(tmp_path.iterdir())
+
+
 def test_an_export_writes_through_a_symlink_and_keeps_the_mode(tmp_path):
     """As ``open()`` does: a symlinked path gets its target rewritten (the link stays), and a
     replaced file keeps its mode."""
