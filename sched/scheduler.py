@@ -490,52 +490,56 @@ class Scheduler:
         if stream is not None and (stream is not self._checked_stream() or stream.closed):
             self._check_stream(stream)
         state = self._methods.get(method)
-        target = self._pick_lane(method, lane, state)
-        slots = target.slots
-        assert slots is not None
-        if self._loop_job is not None:
-            self._settle_loop_job()
-        # The room taken and the stream's pin belong to this submit until _enqueue puts the job
-        # in `ticket`; from then on to the job (its settle gives them back), so that neither
-        # is lost to an error (a Ctrl-C) in between. `held` is set before the room is taken
-        # where an error cannot make that wrong: at worst a cut-short take gives back one slot
-        # too many (more room on the lane), never one too few (a submit waiting forever).
-        ticket: list[Job] = []
-        pin = object() if isinstance(stream, Stream) else None
-        held = False
-        try:
+        while True:  # again only when the method moved while this submit waited for room
+            target = self._pick_lane(method, lane, state)
+            slots = target.slots
+            assert slots is not None
+            if self._loop_job is not None:
+                self._settle_loop_job()
+            # The room taken and the stream's pin belong to this submit until _enqueue puts the
+            # job in `ticket`; from then on to the job (its settle gives them back), so that
+            # neither is lost to an error (a Ctrl-C) in between. `held` is set before the room
+            # is taken where an error cannot make that wrong: at worst a cut-short take gives
+            # back one slot too many (more room on the lane), never one too few (a submit
+            # waiting forever).
+            ticket: list[Job] = []
+            pin = object() if isinstance(stream, Stream) else None
+            held = False
             try:
-                held = True
-                slots.acquire_nowait()
-            except anyio.WouldBlock:
-                try:  # held stays True: an interrupt as the wait ends may come with the room
-                    await slots.acquire()
-                except anyio.get_cancelled_exc_class():
-                    held = False  # a cancelled wait gives its room back itself (anyio)
-                    raise
-                self._check_open()  # it may have closed or broken while we waited for room
-                # Other submits may have bound or moved the method meanwhile: its lane and its
-                # last job are read again (a stale "new method" would let two lanes drive it at
-                # once), and a submit that asked for no lane follows the method to its lane.
-                state = self._methods.get(method)
-                if lane is None and state is not None and state.lane is not target:
-                    slots.release()
-                    held = False
-                    return await self._submit(method, inputs, None, after, stream, awaited)
-            if pin is not None:
-                try:  # the job will run on it: a close() from now on waits for its enqueue
-                    stream.pin(pin)
-                except StreamClosed:  # closed meanwhile (while we waited for room, or elsewhere)
-                    raise _closed_stream_given(stream) from None
-            return self._enqueue(method, values, target, after_jobs, stream, state, awaited,
-                                 ticket, pin)
-        except BaseException:
-            if not ticket:
-                if held:
-                    slots.release()
+                try:
+                    held = True
+                    slots.acquire_nowait()
+                except anyio.WouldBlock:
+                    try:  # held stays True: an interrupt as the wait ends may come with the room
+                        await slots.acquire()
+                    except anyio.get_cancelled_exc_class():
+                        held = False  # a cancelled wait gives its room back itself (anyio)
+                        raise
+                    self._check_open()  # it may have closed or broken while we waited for room
+                    # Other submits may have bound or moved the method meanwhile: its lane and
+                    # its last job are read again (a stale "new method" would let two lanes
+                    # drive it at once), and a submit that asked for no lane follows the method
+                    # to its lane, with the inputs and after= checked (and copied, consumed)
+                    # before the wait: the caller may have reused them since.
+                    state = self._methods.get(method)
+                    if lane is None and state is not None and state.lane is not target:
+                        slots.release()
+                        held = False
+                        continue
                 if pin is not None:
-                    stream._release_pin(pin)
-            raise
+                    try:  # the job will run on it: a close() from now on waits for its enqueue
+                        stream.pin(pin)
+                    except StreamClosed:  # closed meanwhile (while we waited, or elsewhere)
+                        raise _closed_stream_given(stream) from None
+                return self._enqueue(method, values, target, after_jobs, stream, state, awaited,
+                                     ticket, pin)
+            except BaseException:
+                if not ticket:
+                    if held:
+                        slots.release()
+                    if pin is not None:
+                        stream._release_pin(pin)
+                raise
 
     async def run(self, method: Method, inputs: Sequence[Any], *, lane: int | None = None,
                   after: Sequence[Job] = (), stream: Any = None) -> list[Result]:

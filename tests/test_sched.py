@@ -149,6 +149,56 @@ async def test_a_submit_that_waited_for_room_sees_where_the_method_went_meanwhil
     np.testing.assert_array_equal(ya.to_host(), 2 * data(1))
 
 
+async def test_a_submit_that_follows_its_method_keeps_its_after_and_its_copied_inputs(device):
+    """The same race, with ``after=`` an iterator and a numpy input the caller reuses while the
+    submit waits for room: following the method to its new lane, the submit started again
+    with the caller's arguments, so the iterator was spent (the job ran before the job it was
+    to wait for, held on the device) and the array was copied again, after the caller had
+    changed it (found by a review). It keeps what it checked and copied before the wait."""
+    method = double_program("m").method("forward", device=device)
+    fillers = [double_program(f"filler{i}").method("forward", device=device) for i in range(2)]
+    before = double_program("before").method("forward", device=device)
+    held = [device.create_stream() for _ in range(3)]
+    gate = Gate(data(2))
+    shared = data(1).copy()
+    box = {}
+    with anyio.fail_after(30):
+        async with Scheduler(device, lanes=3, queue_size=1) as sched:
+            with device.create_latch() as latch0, device.create_latch() as latch1, \
+                    device.create_latch() as latch2:
+                for latch, stream in zip((latch0, latch1, latch2), held, strict=True):
+                    latch.hold(stream)
+                for i in range(2):  # lanes 0 and 1 full
+                    await sched.submit(fillers[i], [data(0)], lane=i, stream=held[i])
+                dep = await sched.submit(before, [data(3)], lane=2, stream=held[2])
+
+                async def first():  # a tie: the new method picks lane 0 and waits for room
+                    box["a"] = await sched.submit(method, [shared], after=iter([dep]))
+
+                async def second():
+                    box["b"] = await sched.submit(method, [gate], lane=1)
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(first)
+                    await anyio.sleep(0.05)
+                    shared[:] = data(9)  # the caller reuses its array: the submit copied it
+                    tg.start_soon(second)
+                    await anyio.sleep(0.05)
+                    latch1.release()  # b gets room on lane 1 and binds the method there
+                    await anyio.to_thread.run_sync(gate.entered.wait, 5)
+                    latch0.release()  # a gets room on lane 0, then follows the method
+                    await anyio.sleep(0.1)
+                    gate.open()
+                (yb,) = await box["b"]
+                await anyio.sleep(0.2)
+                assert not box["a"].done(), "it ran before its after= job, held on the device"
+                latch2.release()
+            (ya,) = await box["a"]
+            assert box["a"].lane.index == 1 and dep.done()
+    np.testing.assert_array_equal(yb.to_host(), 2 * data(2))
+    np.testing.assert_array_equal(ya.to_host(), 2 * data(1))
+
+
 async def test_an_explicit_lane_after_waiting_for_room_is_a_move_ordered_after_the_rest(device):
     method = double_program("m").method("forward", device=device)
     filler = double_program("filler").method("forward", device=device)
