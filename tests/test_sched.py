@@ -562,6 +562,13 @@ async def test_bad_arguments_raise_invalid_argument(device):
             await sched.submit(method, [data(0)], after=None)
         with pytest.raises(InvalidArgument, match="per-thread stream"):
             await sched.submit(method, [data(0)], stream=device.per_thread_stream())
+
+        class PerThread:  # CuPy's Stream.ptds: ran on whichever thread enqueued the job
+            def __cuda_stream__(self):
+                return (0, 2)
+
+        with pytest.raises(InvalidArgument, match="names the per-thread default stream"):
+            await sched.submit(method, [data(0)], stream=PerThread())
         stream = device.create_stream()
         await sched.run(method, [data(0)], stream=stream)
         stream.close()  # a stream that passed before is checked again
