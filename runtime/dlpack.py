@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -57,7 +58,9 @@ _KEYS = itertools.count(1)
 def _delete(managed: Any) -> None:
     key = managed.contents.manager_ctx
     with _LIVE_LOCK:
-        _LIVE.pop(key, None)
+        entry = _LIVE.pop(key, None)
+    if entry is not None and entry[3] is not None:
+        entry[3]()  # the consumer let go: told while the owner still holds the memory
 
 
 _DELETE = _DELETER(_delete)
@@ -102,9 +105,10 @@ _DESTRUCTOR = _CAPSULE_DESTRUCTOR(_capsule_gone)
 
 
 def export(ptr: int, shape: tuple[int, ...], dtype: np.dtype, device_type: int, device_id: int,
-           owner: Any) -> Any:
+           owner: Any, on_release: Callable[[], None] | None = None) -> Any:
     """A ``dltensor`` capsule over C-contiguous memory at ``ptr`` on a DLPack device;
-    ``owner`` lives until the consumer releases it (or the capsule dies unconsumed)."""
+    ``owner`` lives until the consumer releases it (or the capsule dies unconsumed), and
+    ``on_release()`` (which must not raise) is called then, just before ``owner`` goes."""
     name = dtype_name(dtype)
     if name not in _CODES:
         raise InvalidArgument(f"dtype {name} has no DLPack code")
@@ -117,7 +121,7 @@ def export(ptr: int, shape: tuple[int, ...], dtype: np.dtype, device_type: int, 
     managed.manager_ctx = key
     managed.deleter = _DELETE
     with _LIVE_LOCK:
-        _LIVE[key] = (managed, shape_arr, owner)
+        _LIVE[key] = (managed, shape_arr, owner, on_release)
     return _capsule_new(ctypes.addressof(managed), _NAME, _DESTRUCTOR)
 
 

@@ -456,14 +456,14 @@ class Method:
         return list(self._outputs)
 
     def may_wait_on_host(self) -> bool:
-        """Whether the next ``execute()`` from the calling thread may wait on the host: it may
-        reuse an output buffer that another library took on a stream this thread cannot mark
-        (an unknown one: ``__cuda_array_interface__``, DLPack with ``stream=-1``; another
-        thread's per-thread stream, DLPack ``stream=2``), which only a device-wide synchronize
-        makes safe to rewrite (rule 8), or follow an execute that failed partway with nothing
-        to mark where its part ends (``_order_after_failure``). The scheduler's event loop
-        thread never runs such an execute. Not foreseen: a consumer's stream its owner has
-        destroyed, found when the rewrite tries to mark it (it then waits for the device)."""
+        """Whether the next ``execute()`` may wait on the host: it may reuse an output buffer
+        that another library took on a stream nobody could mark (an unknown one:
+        ``__cuda_array_interface__``, DLPack with ``stream=-1``; or one that could not be
+        marked when that library let go: another thread's per-thread stream, DLPack
+        ``stream=2`` let go elsewhere), which only a device-wide synchronize makes safe to
+        rewrite (rule 8), or follow an execute that failed partway with nothing to mark where
+        its part ends (``_order_after_failure``). The scheduler's event loop thread never
+        runs such an execute."""
         if self._unordered:
             return True
         if not PooledBuffer.blind_exports_seen:

@@ -16,6 +16,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import functools
 import operator
 import threading
 from collections.abc import Callable
@@ -24,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .dtypes import as_host_array, dtype_name
-from .errors import DeviceError, InvalidArgument
-from .memory import DeviceArray
+from .errors import InvalidArgument
+from .memory import PRUNE_USES_AT, DeviceArray, prune_uses
 from .stream import Stream, current_stream
 
 if TYPE_CHECKING:
@@ -41,7 +42,8 @@ _CHECK_EVERY = 8  # how often (in executes) a pool of more than two counts its h
 class PooledBuffer:
     """One output buffer of a method, with what a writer must wait for before reusing it."""
 
-    __slots__ = ("__weakref__", "array", "event", "export_streams", "exported", "held", "lock")
+    __slots__ = ("__weakref__", "array", "blind", "event", "export_marks", "exported", "held",
+                 "lock")
 
     def __init__(self, array: DeviceArray, event: Event):
         self.array = array
@@ -53,43 +55,68 @@ class PooledBuffer:
         self.event = event
         self.held = False  # a live holder (Result or export) references it
         self.exported = False  # handed to another library since its last write
-        self.export_streams: list[Stream | None] = []  # consumers' streams, None: unknown
+        # Since its last write: per consumer stream (its key), an event recorded there when
+        # the consumer let go (a DLPack deleter), after everything it had queued; and whether
+        # some consumer's work can only be waited for device-wide (`blind`).
+        self.export_marks: dict[Any, Event] = {}
+        self.blind = False
         self.lock = threading.Lock()
 
-    # Set once any buffer goes to a consumer on an unknown stream or on a thread's per-thread
-    # stream, whose reuse may then need a device-wide host wait: until then
-    # Method.may_wait_on_host needs no scan.
+    # Set once any buffer goes to a consumer whose work only a device-wide host wait covers:
+    # until then Method.may_wait_on_host needs no scan.
     blind_exports_seen = False
 
-    def export_to(self, consumer: Stream | None) -> None:
-        """Note a consumer of the buffer (another library); None: its stream is unknown. Each
-        stream once (a cached output wrapped again on every request read as a new consumer
-        each time: one entry per read until the buffer's next write)."""
+    def export_to(self, consumer: Stream | None) -> Callable[[], None] | None:
+        """Note an export of the buffer to another library, whose stream is ``consumer`` (None:
+        unknown, so a rewrite waits for the whole device). Returns what to call when that
+        consumer lets go (None for an unknown stream): it marks the consumer's stream then.
+
+        The stream is marked when the consumer lets go, never later: another library may
+        destroy its stream as soon as it is done with it (CuPy's go with their object), and
+        the driver may crash on a destroyed stream's handle rather than refuse it. A rewrite
+        then waits on the marks, which are our events."""
         with self.lock:
             self.exported = True
-            streams = self.export_streams
             if consumer is None:
-                if None not in streams:
-                    streams.append(None)
-            elif not any(c is not None and c.key == consumer.key for c in streams):
-                streams.append(consumer)
-        if consumer is None or consumer.owner_thread is not None:
-            PooledBuffer.blind_exports_seen = True
+                self._go_blind()
+                return None
+        return functools.partial(self._released_by, consumer)
+
+    def _go_blind(self) -> None:
+        self.blind = True
+        PooledBuffer.blind_exports_seen = True
+
+    def _released_by(self, consumer: Stream) -> None:
+        """A consumer let go (any thread, a DLPack deleter: never raises). Its stream gets an
+        event after everything it queued; a stream this thread cannot record on (another
+        thread's per-thread stream) or that refuses leaves only a device-wide wait."""
+        try:
+            device = consumer.device
+            gil = device.hold_gil(False)  # it may block on a full queue: never with the GIL
+            try:
+                mark = consumer.record()
+            finally:
+                device.hold_gil(gil)
+        except Exception:
+            with self.lock:
+                self._go_blind()
+            return
+        with self.lock:
+            marks = self.export_marks
+            marks[consumer.key] = mark  # its latest let-go covers the earlier ones
+            if len(marks) >= PRUNE_USES_AT:
+                prune_uses(marks, consumer.key)  # the ones the device has passed
 
     @property
     def needs_device_wait(self) -> bool:
-        """Whether rewriting it from the calling thread needs a device-wide host wait: a
-        consumer's stream is unknown, or is another thread's per-thread stream (which only
-        that thread can record on: from here the same handle names this thread's)."""
-        if not self.exported:
-            return False
-        me = threading.get_ident()
-        return any(c is None or c.owner_thread not in (None, me) for c in self.export_streams)
+        """Whether rewriting it needs a device-wide host wait: a consumer's stream is unknown,
+        or could not be marked when the consumer let go."""
+        return self.exported and self.blind
 
     def prepare_write(self, stream: Stream) -> None:
         """Order ``stream`` after every use of this buffer elsewhere (rule 8); called by the
-        writer just before it writes the buffer again. No Result holds the buffer now, so no
-        new use can appear while this runs."""
+        writer just before it writes the buffer again. No Result or export holds the buffer
+        now, so no new use can appear while this runs."""
         uses = self.array.buffer.uses
         if uses:
             if len(uses) > 1 or stream.key not in uses:  # else only our own stream used it
@@ -101,25 +128,16 @@ class PooledBuffer:
         if not self.exported:
             return
         with self.lock:
-            blind = self.needs_device_wait
-            self.exported = False
-            consumers, self.export_streams = self.export_streams, []
-        if not blind:
-            for c in consumers:  # everything each consumer queued before it let go
-                if c is not None and c.key != stream.key:
-                    try:
-                        marker = c.record()
-                    except DeviceError:
-                        # Its owner destroyed the stream (the consumer is done with it, but
-                        # work it queued may still run; CUDA answers "context is destroyed"):
-                        # only a device-wide wait covers that work.
-                        if stream.device.lost:
-                            raise
-                        blind = True
-                        break
-                    stream.wait(marker)
-        if blind:  # a consumer we cannot order after: only a device-wide wait is safe
+            blind, marks = self.blind, self.export_marks
+            self.exported = self.blind = False
+            self.export_marks = {}
+        if blind:  # a consumer we could not mark: only a device-wide wait covers its work
             stream.device.synchronize()
+            return
+        key = stream.key
+        for k, mark in marks.items():  # everything each consumer queued before it let go
+            if k != key:
+                stream.wait(mark)
 
 
 class OutputPool:
@@ -397,9 +415,9 @@ def _dlpack(self: Result, *, stream: Any = None, max_version: Any = None,
         return view.__dlpack__()
 
     consumer = _consumer_stream(self, stream)
-    if self._holder is not None:
-        self._holder.pooled.export_to(consumer)
-    return export(self.array.ptr, self.shape, self.dtype, KDL_CUDA, self.device.index, holder)
+    release = self._holder.pooled.export_to(consumer) if self._holder is not None else None
+    return export(self.array.ptr, self.shape, self.dtype, KDL_CUDA, self.device.index, holder,
+                  on_release=release)
 
 
 def _consumer_stream(self: Result, stream: Any) -> Stream | None:

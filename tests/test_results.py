@@ -343,10 +343,13 @@ def test_pruning_keeps_a_use_noted_again_while_it_decides():
     assert len(uses) == PRUNE_USES_AT
 
 
-def test_a_buffer_notes_each_consumer_stream_once(host, monkeypatch):
+def test_a_buffers_consumer_marks_stay_bounded(host, monkeypatch):
     """A held output that another library wraps again on every request (CUDA:
     ``__cuda_array_interface__`` on each read, DLPack per call) noted one consumer per wrap,
-    until the buffer's next write: a list growing with every request."""
+    until the buffer's next write: a list growing with every request; later one per distinct
+    stream. Each let-go now leaves one mark per stream, and marks the device has passed are
+    pruned from 64 streams on."""
+    from streamlane.runtime.memory import PRUNE_USES_AT
     from streamlane.runtime.result import PooledBuffer
 
     monkeypatch.setattr(PooledBuffer, "blind_exports_seen", False)  # restored after the test
@@ -355,42 +358,37 @@ def test_a_buffer_notes_each_consumer_stream_once(host, monkeypatch):
     with host.create_stream() as a, host.create_stream() as b:
         for _ in range(1000):
             for consumer in (a, b, a):
-                pooled.export_to(consumer)
-        assert pooled.export_streams == [a, b]
-        for _ in range(1000):
-            pooled.export_to(None)
-        assert pooled.export_streams == [a, b, None] and pooled.needs_device_wait
+                pooled.export_to(consumer)()  # exported, then let go
+        assert sorted(pooled.export_marks) == sorted([a.key, b.key])
+        assert not pooled.needs_device_wait and not PooledBuffer.blind_exports_seen
+    for _ in range(10 * PRUNE_USES_AT):  # a new stream per request, each finished
+        with host.create_stream() as s:
+            pooled.export_to(s)()
+            s.synchronize()
+    assert len(pooled.export_marks) < 2 * PRUNE_USES_AT
+    for _ in range(1000):
+        assert pooled.export_to(None) is None  # an unknown stream: nothing to mark
+    assert pooled.needs_device_wait and PooledBuffer.blind_exports_seen
 
 
 def _foreign_read_held(host, r, stream):
-    """Another library's read of ``r`` queued on ``stream`` behind a latch, as it would be after
+    """Another library's read of ``r`` queued on ``stream`` behind a latch, as after
     ``__dlpack__(stream=...)``: a raw copy (no method, so no rule-8 reader entry) into a
-    scratch array. Returns the latch and the scratch array."""
+    scratch array. Returns the latch, the scratch array, and what the consumer calls when it
+    lets go (its DLPack deleter)."""
     latch = host.create_latch()
     latch.hold(stream)
     scratch = host.empty(r.shape, "float32", stream)
     host.copy(scratch, r.array, stream)
-    r._holder.pooled.export_to(stream)
-    return latch, scratch
+    return latch, scratch, r._holder.pooled.export_to(stream)
 
 
-def test_a_consumer_stream_its_owner_destroyed_costs_a_device_wide_wait_not_an_error(
-        host, monkeypatch):
-    """Seen on the H200: a DLPack consumer that let go of a result and then destroyed its
-    stream (CuPy's streams are destroyed with their object) made the producer's next execute
-    that rewrote the buffer fail, with CUDA's "context is destroyed" from recording on the gone
-    stream. The work that stream queued may still run, so the rewrite now waits for the whole
-    device instead; here the "destroyed" stream's read is held by a latch a timer releases."""
-    import threading
-
+def _destroyed(host, monkeypatch, stream):
+    """From now on the driver refuses ``stream`` (its owner destroyed it), as CUDA did with
+    "context is destroyed" (at other times it crashed the process)."""
     from streamlane.runtime.errors import DeviceError
 
-    m = scaler().method("forward", device=host)
-    x1, x2 = rand(), rand()
-    r = m([x1])[0]
-    gone = host.create_stream()
-    latch, scratch = _foreign_read_held(host, r, gone)
-    impl, real = gone._impl, type(host)._record
+    impl, real = stream._impl, type(host)._record
 
     def record(self, event, stream_impl):
         if stream_impl is impl:
@@ -398,8 +396,34 @@ def test_a_consumer_stream_its_owner_destroyed_costs_a_device_wide_wait_not_an_e
         return real(self, event, stream_impl)
 
     monkeypatch.setattr(type(host), "_record", record)
+
+
+@pytest.mark.parametrize("when", ["after it let go", "before it let go"])
+def test_a_consumer_stream_its_owner_destroyed_is_never_touched_by_the_rewrite(
+        host, monkeypatch, when):
+    """Seen on the H200: a DLPack consumer that let go of a result and then destroyed its
+    stream (CuPy's go with their object) made the producer's next execute that rewrote the
+    buffer fail with CUDA's "context is destroyed", or crash the process: the rewrite recorded
+    an event on the consumer's stream. The stream is now marked when the consumer lets go, and
+    the rewrite waits on that mark. A stream already gone then (the deleter's record refused)
+    leaves a device-wide wait. Either way the consumer's queued read (held by a latch a timer
+    releases) comes before the rewrite."""
+    import threading
+
+    m = scaler().method("forward", device=host)
+    x1, x2 = rand(), rand()
+    r = m([x1])[0]
+    gone = host.create_stream()
+    latch, scratch, let_go = _foreign_read_held(host, r, gone)
+    if when == "after it let go":
+        let_go()
+        _destroyed(host, monkeypatch, gone)
+    else:
+        _destroyed(host, monkeypatch, gone)
+        let_go()
     del r
     gc.collect()
+    assert m.may_wait_on_host() is (when == "before it let go")
     timer = threading.Timer(0.1, latch.release)
     timer.start()
     try:
@@ -412,27 +436,33 @@ def test_a_consumer_stream_its_owner_destroyed_costs_a_device_wide_wait_not_an_e
         gone.close()
 
 
-def test_a_consumer_on_another_threads_per_thread_stream_is_waited_for_from_any_thread(host):
+@pytest.mark.parametrize("lets_go_on", ["its own thread", "another thread"])
+def test_a_consumer_on_a_per_thread_stream_is_waited_for_from_any_thread(host, lets_go_on):
     """A consumer on its thread's per-thread stream (DLPack ``stream=2``), the buffer then
-    rewritten by another thread (a scheduler's lane): recording on that stream from the
-    rewriting thread raised ``InvalidState`` ("the per-thread stream of another thread"),
-    failing the execute. From another thread the rewrite now waits for the whole device (only
-    the consumer's thread can mark its stream), which ``may_wait_on_host`` says there; the
-    consumer's own thread still waits on the device, without a host wait."""
+    rewritten by another thread (a scheduler's lane): the rewrite recorded on that stream from
+    its own thread, which raised ``InvalidState`` ("the per-thread stream of another
+    thread") and failed the execute. Marked when the consumer lets go, on its own thread, it
+    is waited for on the device from any thread; let go on another thread (which cannot mark
+    it), the rewrite waits for the whole device, as ``may_wait_on_host`` says."""
     import threading
 
     m = scaler().method("forward", device=host)
     x1, x2 = rand(), rand()
     r = m([x1])[0]
     mine = host.per_thread_stream()
-    latch, scratch = _foreign_read_held(host, r, mine)
+    latch, scratch, let_go = _foreign_read_held(host, r, mine)
+    if lets_go_on == "its own thread":
+        let_go()
+    else:
+        elsewhere = threading.Thread(target=let_go)
+        elsewhere.start()
+        elsewhere.join(10)
     del r
     gc.collect()
-    assert not m.may_wait_on_host()  # this thread can record on its own per-thread stream
+    assert m.may_wait_on_host() is (lets_go_on == "another thread")
     box = {}
 
     def rewrite():
-        box["may_wait"] = m.may_wait_on_host()
         box["again"] = m([x2])[0].to_host()
 
     thread = threading.Thread(target=rewrite)
@@ -441,7 +471,6 @@ def test_a_consumer_on_another_threads_per_thread_stream_is_waited_for_from_any_
     timer.start()
     thread.join(10)
     timer.join()
-    assert box.get("may_wait") is True
     np.testing.assert_array_equal(box.get("again"), 2 * x2)
     np.testing.assert_array_equal(host.to_host(scratch, mine), 2 * x1)
 
@@ -654,8 +683,9 @@ def test_torch_reads_stay_safe_when_the_buffer_returns(cuda_device):
 @pytest.mark.cuda
 def test_a_dlpack_consumer_stream_destroyed_before_the_rewrite_is_not_an_error(cuda_device):
     """A consumer lets go of a result and destroys its stream; the producer's next execute
-    rewrites the buffer. It failed with CUDA_ERROR_CONTEXT_IS_DESTROYED (driver 580) from
-    recording on the gone stream; it now waits for the whole device instead."""
+    rewrites the buffer. It failed with CUDA_ERROR_CONTEXT_IS_DESTROYED (driver 580), or
+    crashed the process, recording on the gone stream; the stream is now marked when the
+    consumer lets go, and the rewrite waits on that mark."""
     from cuda.bindings import driver as cu
 
     m = scaler().method("forward", device=cuda_device)
@@ -676,7 +706,8 @@ def test_a_dlpack_consumer_stream_destroyed_before_the_rewrite_is_not_an_error(c
 def test_a_dlpack_consumer_on_its_per_thread_stream_then_a_rewrite_from_another_thread(
         cuda_device):
     """DLPack ``stream=2`` names the consumer thread's per-thread stream; a rewrite from
-    another thread raised InvalidState recording on it. It now waits for the device."""
+    another thread raised InvalidState recording on it. It is marked when the consumer lets go
+    (here on its own thread), and the rewrite waits on the mark."""
     import threading
 
     m = scaler().method("forward", device=cuda_device)
@@ -694,6 +725,31 @@ def test_a_dlpack_consumer_on_its_per_thread_stream_then_a_rewrite_from_another_
     thread.start()
     thread.join(30)
     np.testing.assert_array_equal(box.get("again"), 2 * x2)
+
+
+@pytest.mark.cuda
+def test_cupy_reading_on_a_stream_it_then_destroys_is_safe(cuda_device):
+    """CuPy reads a result on its own stream, lets go, and destroys the stream (CuPy's go with
+    their object) while its read may still run; the producer's next execute rewrites the
+    buffer. That rewrite used to record on the destroyed stream (an error, or a crash)."""
+    cp = pytest.importorskip("cupy")
+    m = scaler((2048, 2048)).method("forward", device=cuda_device)
+    x = rand((2048, 2048))
+    r = m([x])[0]
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        a = cp.from_dlpack(r)
+        total = (a.astype(cp.float64) * 1.0).sum()
+    del a, r
+    gc.collect()  # CuPy let go: the mark is on its stream
+    del stream
+    gc.collect()  # CuPy destroyed its stream
+    for _ in range(3):
+        m([rand((2048, 2048))])
+    cp.cuda.Device().synchronize()
+    expected = float((2 * x).astype(np.float64).sum())
+    assert abs(float(total.get()) - expected) <= 1e-6 * abs(expected) + 1e-3
+    assert not cuda_device.lost
 
 
 @pytest.mark.cuda
