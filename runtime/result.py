@@ -26,7 +26,7 @@ import numpy as np
 
 from .dtypes import as_host_array, dtype_name
 from .errors import InvalidArgument
-from .memory import PRUNE_USES_AT, DeviceArray, prune_uses
+from .memory import PRUNE_USES_AT, Buffer, DeviceArray, prune_uses
 from .stream import Stream, current_stream
 
 if TYPE_CHECKING:
@@ -39,11 +39,35 @@ TRIM_AFTER = 64  # the shortest window (executes) after which a pool frees idle 
 _CHECK_EVERY = 8  # how often (in executes) a pool of more than two counts its held buffers
 
 
+def mark_release(buffer: Buffer, consumer: Stream, blind: Callable[[], None] | None) -> None:
+    """Another library that read ``buffer`` on ``consumer`` let go of it (a DLPack deleter, on
+    any thread; never raises): an event recorded there now, after everything it queued, is
+    noted among the buffer's readers (``uses``), which its rewrite and its free wait for
+    (rule 8). The stream is marked now, never later: the library may destroy its stream as
+    soon as it is done with it (CuPy's go with their object), and the driver may crash on a
+    destroyed stream's handle rather than refuse it. A stream this thread cannot record on
+    (another thread's per-thread stream) or that refuses calls ``blind()``."""
+    try:
+        device = consumer.device
+        gil = device.hold_gil(False)  # a record may block on a full queue: never with the GIL
+        try:
+            mark = consumer.record()
+        finally:
+            device.hold_gil(gil)
+    except Exception:
+        if blind is not None:
+            blind()
+        return
+    uses = buffer.uses
+    uses[consumer.key] = mark  # its latest let-go covers the earlier ones there
+    if len(uses) >= PRUNE_USES_AT:
+        prune_uses(uses, consumer.key)  # the readers the device has passed
+
+
 class PooledBuffer:
     """One output buffer of a method, with what a writer must wait for before reusing it."""
 
-    __slots__ = ("__weakref__", "array", "blind", "event", "export_marks", "exported", "held",
-                 "lock")
+    __slots__ = ("__weakref__", "array", "blind", "event", "exported", "held", "lock")
 
     def __init__(self, array: DeviceArray, event: Event):
         self.array = array
@@ -55,11 +79,7 @@ class PooledBuffer:
         self.event = event
         self.held = False  # a live holder (Result or export) references it
         self.exported = False  # handed to another library since its last write
-        # Since its last write: per consumer stream (its key), an event recorded there when
-        # the consumer let go (a DLPack deleter), after everything it had queued; and whether
-        # some consumer's work can only be waited for device-wide (`blind`).
-        self.export_marks: dict[Any, Event] = {}
-        self.blind = False
+        self.blind = False  # some consumer's work since then only a device-wide wait covers
         self.lock = threading.Lock()
 
     # Set once any buffer goes to a consumer whose work only a device-wide host wait covers:
@@ -68,44 +88,22 @@ class PooledBuffer:
 
     def export_to(self, consumer: Stream | None) -> Callable[[], None] | None:
         """Note an export of the buffer to another library, whose stream is ``consumer`` (None:
-        unknown, so a rewrite waits for the whole device). Returns what to call when that
-        consumer lets go (None for an unknown stream): it marks the consumer's stream then.
-
-        The stream is marked when the consumer lets go, never later: another library may
-        destroy its stream as soon as it is done with it (CuPy's go with their object), and
-        the driver may crash on a destroyed stream's handle rather than refuse it. A rewrite
-        then waits on the marks, which are our events."""
+        unknown, so the rewrite waits for the whole device). Returns what to call when that
+        consumer lets go (``mark_release``; None for an unknown stream)."""
         with self.lock:
             self.exported = True
             if consumer is None:
                 self._go_blind()
                 return None
-        return functools.partial(self._released_by, consumer)
+        return functools.partial(mark_release, self.array.buffer, consumer, self._blind)
 
     def _go_blind(self) -> None:
         self.blind = True
         PooledBuffer.blind_exports_seen = True
 
-    def _released_by(self, consumer: Stream) -> None:
-        """A consumer let go (any thread, a DLPack deleter: never raises). Its stream gets an
-        event after everything it queued; a stream this thread cannot record on (another
-        thread's per-thread stream) or that refuses leaves only a device-wide wait."""
-        try:
-            device = consumer.device
-            gil = device.hold_gil(False)  # it may block on a full queue: never with the GIL
-            try:
-                mark = consumer.record()
-            finally:
-                device.hold_gil(gil)
-        except Exception:
-            with self.lock:
-                self._go_blind()
-            return
+    def _blind(self) -> None:
         with self.lock:
-            marks = self.export_marks
-            marks[consumer.key] = mark  # its latest let-go covers the earlier ones
-            if len(marks) >= PRUNE_USES_AT:
-                prune_uses(marks, consumer.key)  # the ones the device has passed
+            self._go_blind()
 
     @property
     def needs_device_wait(self) -> bool:
@@ -114,9 +112,16 @@ class PooledBuffer:
         return self.exported and self.blind
 
     def prepare_write(self, stream: Stream) -> None:
-        """Order ``stream`` after every use of this buffer elsewhere (rule 8); called by the
-        writer just before it writes the buffer again. No Result or export holds the buffer
-        now, so no new use can appear while this runs."""
+        """Order ``stream`` after every use of this buffer elsewhere (rule 8), consumers in
+        other libraries included; called by the writer just before it writes the buffer
+        again. No Result or export holds the buffer now, so no new use can appear while this
+        runs."""
+        if self.exported:
+            with self.lock:
+                blind = self.blind
+                self.exported = self.blind = False
+            if blind:  # a consumer nobody could mark: only a device-wide wait covers its work
+                stream.device.synchronize()
         uses = self.array.buffer.uses
         if uses:
             if len(uses) > 1 or stream.key not in uses:  # else only our own stream used it
@@ -125,19 +130,6 @@ class PooledBuffer:
                     if k != key:
                         stream.wait(event)
             uses.clear()
-        if not self.exported:
-            return
-        with self.lock:
-            blind, marks = self.blind, self.export_marks
-            self.exported = self.blind = False
-            self.export_marks = {}
-        if blind:  # a consumer we could not mark: only a device-wide wait covers its work
-            stream.device.synchronize()
-            return
-        key = stream.key
-        for k, mark in marks.items():  # everything each consumer queued before it let go
-            if k != key:
-                stream.wait(mark)
 
 
 class OutputPool:
@@ -415,7 +407,11 @@ def _dlpack(self: Result, *, stream: Any = None, max_version: Any = None,
         return view.__dlpack__()
 
     consumer = _consumer_stream(self, stream)
-    release = self._holder.pooled.export_to(consumer) if self._holder is not None else None
+    if self._holder is not None:
+        release = self._holder.pooled.export_to(consumer)
+    else:  # memory of its own (Result.from_host): its free waits for the consumer's work
+        release = None if consumer is None else functools.partial(
+            mark_release, self.array.buffer, consumer, None)
     return export(self.array.ptr, self.shape, self.dtype, KDL_CUDA, self.device.index, holder,
                   on_release=release)
 

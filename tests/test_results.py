@@ -347,25 +347,26 @@ def test_a_buffers_consumer_marks_stay_bounded(host, monkeypatch):
     """A held output that another library wraps again on every request (CUDA:
     ``__cuda_array_interface__`` on each read, DLPack per call) noted one consumer per wrap,
     until the buffer's next write: a list growing with every request; later one per distinct
-    stream. Each let-go now leaves one mark per stream, and marks the device has passed are
-    pruned from 64 streams on."""
+    stream. Each let-go now leaves one mark per stream among the buffer's readers, and those
+    the device has passed are pruned from 64 streams on."""
     from streamlane.runtime.memory import PRUNE_USES_AT
     from streamlane.runtime.result import PooledBuffer
 
     monkeypatch.setattr(PooledBuffer, "blind_exports_seen", False)  # restored after the test
     r = scaler().method("forward", device=host)([rand()])[0]
     pooled = r._holder.pooled
+    readers = pooled.array.buffer.uses  # the producer's own stream, then the consumers'
     with host.create_stream() as a, host.create_stream() as b:
         for _ in range(1000):
             for consumer in (a, b, a):
                 pooled.export_to(consumer)()  # exported, then let go
-        assert sorted(pooled.export_marks) == sorted([a.key, b.key])
+        assert len(readers) == 3 and a.key in readers and b.key in readers
         assert not pooled.needs_device_wait and not PooledBuffer.blind_exports_seen
     for _ in range(10 * PRUNE_USES_AT):  # a new stream per request, each finished
         with host.create_stream() as s:
             pooled.export_to(s)()
             s.synchronize()
-    assert len(pooled.export_marks) < 2 * PRUNE_USES_AT
+    assert len(readers) < 2 * PRUNE_USES_AT
     for _ in range(1000):
         assert pooled.export_to(None) is None  # an unknown stream: nothing to mark
     assert pooled.needs_device_wait and PooledBuffer.blind_exports_seen
@@ -473,6 +474,26 @@ def test_a_consumer_on_a_per_thread_stream_is_waited_for_from_any_thread(host, l
     timer.join()
     np.testing.assert_array_equal(box.get("again"), 2 * x2)
     np.testing.assert_array_equal(host.to_host(scratch, mine), 2 * x1)
+
+
+def test_an_uploaded_results_free_waits_for_a_consumer_that_let_go(host, monkeypatch):
+    """A ``Result.from_host`` owns its memory: exported (DLPack) and dropped, its memory was
+    freed ordered after our own work only, so an allocation could reuse it under a read the
+    consumer still had queued. The consumer's let-go now marks its stream among the buffer's
+    readers, and the free waits for them (the host device frees with its last reference, so
+    the free's orders are what is checked)."""
+    from streamlane.runtime.result import mark_release
+
+    freed = []
+    monkeypatch.setattr(type(host), "_free_memory",
+                        lambda self, ptr, impl, stream, after: freed.append(after))
+    r = Result.from_host(rand(), host)
+    with host.create_stream() as consumer:
+        mark_release(r.array.buffer, consumer, None)  # what its DLPack deleter does on CUDA
+        mark = r.array.buffer.uses[consumer.key]
+        del r
+        gc.collect()
+    assert len(freed) == 1 and any(event is mark for event in freed[0])
 
 
 def test_consumer_on_another_thread_with_injected_delay(host):
@@ -750,6 +771,19 @@ def test_cupy_reading_on_a_stream_it_then_destroys_is_safe(cuda_device):
     expected = float((2 * x).astype(np.float64).sum())
     assert abs(float(total.get()) - expected) <= 1e-6 * abs(expected) + 1e-3
     assert not cuda_device.lost
+
+
+@pytest.mark.cuda
+def test_an_uploaded_result_notes_its_dlpack_consumer_when_it_lets_go(cuda_device):
+    """``Result.from_host`` memory is freed, not rewritten: its DLPack consumer's stream is
+    noted among the buffer's readers when the consumer lets go, so the free waits for it."""
+    r = Result.from_host(rand(), cuda_device)
+    with cuda_device.create_stream() as s:
+        capsule = r.__dlpack__(stream=s.handle)
+        readers = dict(r.array.buffer.uses)
+        del capsule  # let go unconsumed: the deleter runs
+        new = set(r.array.buffer.uses) - set(readers)
+        assert len(new) == 1, (readers, r.array.buffer.uses)
 
 
 @pytest.mark.cuda
