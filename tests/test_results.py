@@ -372,16 +372,20 @@ def test_a_buffers_consumer_marks_stay_bounded(host, monkeypatch):
     assert pooled.needs_device_wait and PooledBuffer.blind_exports_seen
 
 
-def _foreign_read_held(host, r, stream):
-    """Another library's read of ``r`` queued on ``stream`` behind a latch, as after
-    ``__dlpack__(stream=...)``: a raw copy (no method, so no rule-8 reader entry) into a
-    scratch array. Returns the latch, the scratch array, and what the consumer calls when it
-    lets go (its DLPack deleter)."""
+def _foreign_read_held(host, stream):
+    """A method's output ``r`` (of ``x1``) that another library reads on ``stream`` behind a
+    latch, as after ``__dlpack__(stream=...)``: a raw copy (no method, so no rule-8 reader
+    entry) into a scratch array. Returns the method, x1, the latch, the scratch array and
+    what the consumer calls when it lets go (its DLPack deleter); ``r`` itself is dropped, so
+    the method's next execute rewrites its buffer."""
+    m = scaler().method("forward", device=host)
+    x1 = rand()
+    r = m([x1])[0]
     latch = host.create_latch()
     latch.hold(stream)
     scratch = host.empty(r.shape, "float32", stream)
     host.copy(scratch, r.array, stream)
-    return latch, scratch, r._holder.pooled.export_to(stream)
+    return m, x1, latch, scratch, r._holder.pooled.export_to(stream)
 
 
 def _destroyed(host, monkeypatch, stream):
@@ -411,18 +415,15 @@ def test_a_consumer_stream_its_owner_destroyed_is_never_touched_by_the_rewrite(
     releases) comes before the rewrite."""
     import threading
 
-    m = scaler().method("forward", device=host)
-    x1, x2 = rand(), rand()
-    r = m([x1])[0]
     gone = host.create_stream()
-    latch, scratch, let_go = _foreign_read_held(host, r, gone)
+    m, x1, latch, scratch, let_go = _foreign_read_held(host, gone)
+    x2 = rand()
     if when == "after it let go":
         let_go()
         _destroyed(host, monkeypatch, gone)
     else:
         _destroyed(host, monkeypatch, gone)
         let_go()
-    del r
     gc.collect()
     assert m.may_wait_on_host() is (when == "before it let go")
     timer = threading.Timer(0.1, latch.release)
@@ -447,18 +448,15 @@ def test_a_consumer_on_a_per_thread_stream_is_waited_for_from_any_thread(host, l
     it), the rewrite waits for the whole device, as ``may_wait_on_host`` says."""
     import threading
 
-    m = scaler().method("forward", device=host)
-    x1, x2 = rand(), rand()
-    r = m([x1])[0]
     mine = host.per_thread_stream()
-    latch, scratch, let_go = _foreign_read_held(host, r, mine)
+    m, x1, latch, scratch, let_go = _foreign_read_held(host, mine)
+    x2 = rand()
     if lets_go_on == "its own thread":
         let_go()
     else:
         elsewhere = threading.Thread(target=let_go)
         elsewhere.start()
         elsewhere.join(10)
-    del r
     gc.collect()
     assert m.may_wait_on_host() is (lets_go_on == "another thread")
     box = {}
