@@ -46,28 +46,36 @@ def mark_release(buffer: Buffer, consumer: Stream, blind: Callable[[], None] | N
     (rule 8). The stream is marked now, never later: the library may destroy its stream as
     soon as it is done with it (CuPy's go with their object), and the driver may crash on a
     destroyed stream's handle rather than refuse it. A stream this thread cannot record on
-    (another thread's per-thread stream) or that refuses calls ``blind()``."""
+    (another thread's per-thread stream) or that refuses calls ``blind()``, and so does an
+    interrupt (Ctrl-C) that may have cut the mark short, which then goes on.
+
+    It takes no lock: a garbage collection can run it on a thread inside any allocation."""
     try:
-        device = consumer.device
-        gil = device.hold_gil(False)  # a record may block on a full queue: never with the GIL
         try:
-            mark = consumer.record()
-        finally:
-            device.hold_gil(gil)
-    except Exception:
+            device = consumer.device
+            gil = device.hold_gil(False)  # a record may block on a full queue: not with the GIL
+            try:
+                mark = consumer.record()
+            finally:
+                device.hold_gil(gil)
+        except Exception:
+            if blind is not None:
+                blind()
+            return
+        uses = buffer.uses
+        uses[consumer.key] = mark  # its latest let-go covers the earlier ones there
+        if len(uses) >= PRUNE_USES_AT:
+            prune_uses(uses, consumer.key)  # the readers the device has passed
+    except BaseException:
         if blind is not None:
             blind()
-        return
-    uses = buffer.uses
-    uses[consumer.key] = mark  # its latest let-go covers the earlier ones there
-    if len(uses) >= PRUNE_USES_AT:
-        prune_uses(uses, consumer.key)  # the readers the device has passed
+        raise
 
 
 class PooledBuffer:
     """One output buffer of a method, with what a writer must wait for before reusing it."""
 
-    __slots__ = ("__weakref__", "array", "blind", "event", "exported", "held", "lock")
+    __slots__ = ("__weakref__", "array", "blind", "event", "exported", "held", "lock", "unsure")
 
     def __init__(self, array: DeviceArray, event: Event):
         self.array = array
@@ -80,6 +88,10 @@ class PooledBuffer:
         self.held = False  # a live holder (Result or export) references it
         self.exported = False  # handed to another library since its last write
         self.blind = False  # some consumer's work since then only a device-wide wait covers
+        # A consumer on a per-thread stream: it becomes `blind` if it lets go on another thread
+        # (which cannot mark that stream), perhaps only just before the rewrite. Counted as
+        # blind by needs_device_wait, so that may_wait_on_host never says no too early.
+        self.unsure = False
         self.lock = threading.Lock()
 
     # Set once any buffer goes to a consumer whose work only a device-wide host wait covers:
@@ -95,9 +107,12 @@ class PooledBuffer:
             if consumer is None:
                 self._go_blind()
                 return None
+            if consumer.owner_thread is not None:
+                self.unsure = True
+                PooledBuffer.blind_exports_seen = True
         return functools.partial(mark_release, self.array.buffer, consumer, self._blind)
 
-    def _go_blind(self) -> None:
+    def _go_blind(self) -> None:  # (no allocation: safe under the lock, GC or not)
         self.blind = True
         PooledBuffer.blind_exports_seen = True
 
@@ -107,9 +122,10 @@ class PooledBuffer:
 
     @property
     def needs_device_wait(self) -> bool:
-        """Whether rewriting it needs a device-wide host wait: a consumer's stream is unknown,
-        or could not be marked when the consumer let go."""
-        return self.exported and self.blind
+        """Whether rewriting it may need a device-wide host wait: a consumer's stream is
+        unknown, could not be marked when the consumer let go, or is a per-thread stream
+        (which a let-go on another thread cannot mark)."""
+        return self.exported and (self.blind or self.unsure)
 
     def prepare_write(self, stream: Stream) -> None:
         """Order ``stream`` after every use of this buffer elsewhere (rule 8), consumers in
@@ -117,11 +133,10 @@ class PooledBuffer:
         again. No Result or export holds the buffer now, so no new use can appear while this
         runs."""
         if self.exported:
+            if self.blind:  # a consumer nobody could mark: only a device-wide wait covers it
+                stream.device.synchronize()  # (interrupted, the buffer stays blind)
             with self.lock:
-                blind = self.blind
-                self.exported = self.blind = False
-            if blind:  # a consumer nobody could mark: only a device-wide wait covers its work
-                stream.device.synchronize()
+                self.exported = self.blind = self.unsure = False
         uses = self.array.buffer.uses
         if uses:
             if len(uses) > 1 or stream.key not in uses:  # else only our own stream used it

@@ -445,7 +445,8 @@ def test_a_consumer_on_a_per_thread_stream_is_waited_for_from_any_thread(host, l
     its own thread, which raised ``InvalidState`` ("the per-thread stream of another
     thread") and failed the execute. Marked when the consumer lets go, on its own thread, it
     is waited for on the device from any thread; let go on another thread (which cannot mark
-    it), the rewrite waits for the whole device, as ``may_wait_on_host`` says."""
+    it), the rewrite waits for the whole device. ``may_wait_on_host`` says it may, either way,
+    from the export until the rewrite (it cannot know where the let-go will come)."""
     import threading
 
     mine = host.per_thread_stream()
@@ -458,11 +459,14 @@ def test_a_consumer_on_a_per_thread_stream_is_waited_for_from_any_thread(host, l
         elsewhere.start()
         elsewhere.join(10)
     gc.collect()
-    assert m.may_wait_on_host() is (lets_go_on == "another thread")
+    assert m.may_wait_on_host()  # a per-thread consumer may turn it blind: until the rewrite
     box = {}
 
     def rewrite():
-        box["again"] = m([x2])[0].to_host()
+        waits = host.stats.host_waits
+        out = m([x2])[0]
+        box["device-wide waits"] = host.stats.host_waits - waits
+        box["again"] = out.to_host()
 
     thread = threading.Thread(target=rewrite)
     timer = threading.Timer(0.1, latch.release)
@@ -472,6 +476,79 @@ def test_a_consumer_on_a_per_thread_stream_is_waited_for_from_any_thread(host, l
     timer.join()
     np.testing.assert_array_equal(box.get("again"), 2 * x2)
     np.testing.assert_array_equal(host.to_host(scratch, mine), 2 * x1)
+    assert box["device-wide waits"] == (lets_go_on == "another thread")
+
+
+def test_an_interrupt_in_a_let_go_or_in_the_blind_wait_keeps_the_consumers_read_safe(
+        host, monkeypatch):
+    """Two Ctrl-C windows a review found: an interrupt inside the DLPack deleter's mark left
+    the buffer neither marked nor blind, and one inside the rewrite's device-wide wait had
+    already cleared the blindness, so the rewrite that followed waited for nothing; both
+    overwrote what the consumer (behind a latch) had yet to read."""
+    import threading
+
+    gone = host.create_stream()
+    m, x1, latch, scratch, let_go = _foreign_read_held(host, gone)
+    real_record, real_sync = type(host)._record, type(host)._device_synchronize
+
+    def record(self, event, stream_impl):
+        if stream_impl is gone._impl:
+            raise KeyboardInterrupt
+        return real_record(self, event, stream_impl)
+
+    monkeypatch.setattr(type(host), "_record", record)
+    with pytest.raises(KeyboardInterrupt):
+        let_go()  # (a ctypes deleter prints it and goes on)
+    monkeypatch.setattr(type(host), "_record", real_record)
+    gc.collect()
+    assert m.may_wait_on_host()
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(type(host), "_device_synchronize", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        m([rand()])  # the rewrite's device-wide wait, cut short
+    monkeypatch.setattr(type(host), "_device_synchronize", real_sync)
+    assert m.may_wait_on_host(), "the interrupted wait forgot the consumer"
+    timer = threading.Timer(0.1, latch.release)
+    timer.start()
+    try:
+        x2 = rand()
+        np.testing.assert_array_equal(m([x2])[0].to_host(), 2 * x2)
+        np.testing.assert_array_equal(host.to_host(scratch, gone), 2 * x1)
+    finally:
+        timer.join()
+        gone.close()
+
+
+def test_a_per_thread_consumer_keeps_the_event_loop_from_rewriting_until_the_rewrite(host):
+    """A consumer on a per-thread stream turns the buffer blind only when it lets go, and only
+    if on another thread; that could come after ``may_wait_on_host()`` said no, just before
+    the rewrite (a garbage collection during the scheduler's inline execute, found by a
+    review), and the event loop thread then waited for the whole device. Such an export now
+    counts as a possible device-wide wait from the export to the rewrite."""
+    import threading
+
+    m = scaler().method("forward", device=host)
+    r = m([rand()])[0]
+    pooled = r._holder.pooled
+    box = {}
+
+    def consumer():  # DLPack stream=2 on its own thread: its per-thread stream
+        box["let_go"] = pooled.export_to(host.per_thread_stream())
+
+    thread = threading.Thread(target=consumer)
+    thread.start()
+    thread.join(10)
+    assert m.may_wait_on_host()  # before it let go: where it lets go is not known yet
+    box.pop("let_go")()  # here, not on the consumer's thread: the buffer goes blind
+    del r
+    gc.collect()
+    assert m.may_wait_on_host()
+    waits = host.stats.host_waits
+    m([rand()])  # the rewrite: the device-wide wait it announced
+    assert host.stats.host_waits == waits + 1 and not m.may_wait_on_host()
 
 
 def test_an_uploaded_results_free_waits_for_a_consumer_that_let_go(host, monkeypatch):
