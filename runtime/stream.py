@@ -223,9 +223,10 @@ class CallerStream:
     __slots__ = ("stream",)
 
     def __init__(self, stream: Any):
-        try:  # hasattr runs a property, which may raise anything
+        try:  # hasattr runs a property, which may raise anything (AttributeError: False,
+            # then its class tells a property that raised it from no attribute at all)
             usable = stream is None or isinstance(stream, Stream) or hasattr(
-                stream, "__cuda_stream__")
+                stream, "__cuda_stream__") or hasattr(type(stream), "__cuda_stream__")
         except Exception as exc:
             raise InvalidArgument(f"CallerStream: reading {type(stream).__name__}."
                                   f"__cuda_stream__ raised {exc!r}") from None
@@ -301,10 +302,13 @@ def foreign_stream_handle(obj: Any) -> int:
     an attribute or a method giving ``(0, handle)``). Whatever is wrong with it, a property
     that raises included, is an ``InvalidArgument``."""
     try:
-        proto = getattr(obj, "__cuda_stream__", None)
+        proto = obj.__cuda_stream__
     except Exception as exc:  # a property may raise anything
-        raise InvalidArgument(f"reading {type(obj).__name__}.__cuda_stream__ raised "
-                              f"{exc!r}") from None
+        if isinstance(exc, AttributeError) and not hasattr(type(obj), "__cuda_stream__"):
+            proto = None
+        else:
+            raise InvalidArgument(f"reading {type(obj).__name__}.__cuda_stream__ raised "
+                                  f"{exc!r}") from None
     if proto is None:
         raise InvalidArgument(f"{type(obj).__name__} has no __cuda_stream__; pass a Stream or "
                               f"an object implementing the CUDA stream protocol")

@@ -724,8 +724,9 @@ class Scheduler:
         """Validate ``stream=``. The last streamlane Stream that passed is remembered (weakly):
         ``submit`` then re-checks only whether it closed."""
         if not isinstance(stream, Stream):
-            try:  # a property may raise anything: CallerStream below says what
-                usable = hasattr(stream, "__cuda_stream__")
+            try:  # a property may raise anything (AttributeError too): CallerStream says what
+                usable = hasattr(stream, "__cuda_stream__") or hasattr(
+                    type(stream), "__cuda_stream__")
             except Exception:
                 usable = True
             if not usable:  # CallerStream's own message offers None, the legacy stream

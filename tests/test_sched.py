@@ -569,6 +569,16 @@ async def test_bad_arguments_raise_invalid_argument(device):
 
         with pytest.raises(InvalidArgument, match="names the per-thread default stream"):
             await sched.submit(method, [data(0)], stream=PerThread())
+
+        class NotReady:  # the property's own AttributeError, not "has no __cuda_stream__"
+            @property
+            def __cuda_stream__(self):
+                raise AttributeError("not initialised yet")
+
+        job = await sched.submit(method, [data(0)], stream=NotReady())
+        with pytest.raises(InvalidArgument, match=r"NotReady.__cuda_stream__ raised "
+                                                  r"AttributeError\('not initialised yet'\)"):
+            await job
         stream = device.create_stream()
         await sched.run(method, [data(0)], stream=stream)
         stream.close()  # a stream that passed before is checked again
