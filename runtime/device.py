@@ -362,7 +362,7 @@ class Device(ABC):
     def _free(self, ptr: int, impl: Any, stream_impl: Any, uses: dict[Any, Any]) -> None:
         with self._stats_lock:
             self.stats.frees += 1
-        self._free_memory(ptr, impl, stream_impl, list(uses.values()))
+        self._free_memory(ptr, impl, stream_impl, list(uses.copy().values()))
 
     def __repr__(self) -> str:
         return f"<Device {self.name}>"

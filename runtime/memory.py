@@ -42,7 +42,10 @@ def prune_uses(uses: dict[Any, Any], key: Any) -> None:
     if n & (n - 1):
         return
     newest = uses.get(key)
-    for other, event in list(uses.items()):  # a copy: another thread may note a use meanwhile
+    # A copy: another thread may note a use meanwhile, and so may a garbage collection on
+    # this one (a DLPack deleter: mark_release), even inside list(uses.items()) (dict.copy
+    # allocates nothing a collection follows while it copies).
+    for other, event in uses.copy().items():
         if other == key:
             continue
         queried = event is not newest  # the event just noted needs no query

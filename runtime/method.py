@@ -378,7 +378,7 @@ class Method:
                 used.append(taken.array.buffer)
         uses = self._uses  # of our own memory: input slots, internal buffers, views
         if len(uses) > 1 or key not in uses:
-            readers = list(uses.items())  # a consumer on another thread may add to it
+            readers = list(uses.copy().items())  # another thread, or a GC here, may add
             if not pooled:
                 # clone_outputs=False: the outputs are our own buffers, and a consumer on
                 # another stream (or on the stream we last ran on, after us) may still have to

@@ -141,7 +141,7 @@ class PooledBuffer:
         if uses:
             if len(uses) > 1 or stream.key not in uses:  # else only our own stream used it
                 key = stream.key
-                for k, event in list(uses.items()):
+                for k, event in uses.copy().items():  # (prune_uses: why a copy)
                     if k != key:
                         stream.wait(event)
             uses.clear()
