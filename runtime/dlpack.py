@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ctypes
 import itertools
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -51,16 +50,19 @@ DLManagedTensor._fields_ = [("dl_tensor", DLTensor), ("manager_ctx", ctypes.c_vo
                             ("deleter", _DELETER)]
 
 _LIVE: dict[int, tuple[Any, ...]] = {}
-_LIVE_LOCK = threading.Lock()
 _KEYS = itertools.count(1)
 
 
 def _delete(managed: Any) -> None:
+    # No lock (dict get and pop are atomic under the GIL): a garbage collection inside a
+    # locked region may run a deleter on the same thread. The let-go is told first and the
+    # export dropped after it, so an interrupt (Ctrl-C) between the two leaves the export
+    # held, its memory pinned (a leak), rather than released without the consumer's mark.
     key = managed.contents.manager_ctx
-    with _LIVE_LOCK:
-        entry = _LIVE.pop(key, None)
+    entry = _LIVE.get(key)
     if entry is not None and entry[3] is not None:
         entry[3]()  # the consumer let go: told while the owner still holds the memory
+    _LIVE.pop(key, None)
 
 
 _DELETE = _DELETER(_delete)
@@ -120,12 +122,10 @@ def export(ptr: int, shape: tuple[int, ...], dtype: np.dtype, device_type: int, 
                                  DLDataType(code, bits, 1), shape_arr, None, 0)
     managed.manager_ctx = key
     managed.deleter = _DELETE
-    with _LIVE_LOCK:
-        _LIVE[key] = (managed, shape_arr, owner, on_release)
+    _LIVE[key] = (managed, shape_arr, owner, on_release)
     return _capsule_new(ctypes.addressof(managed), _NAME, _DESTRUCTOR)
 
 
 def live_exports() -> int:
     """How many CUDA exports are still held by consumers (for leak tests)."""
-    with _LIVE_LOCK:
-        return len(_LIVE)
+    return len(_LIVE)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import operator
-import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -75,7 +74,7 @@ def mark_release(buffer: Buffer, consumer: Stream, blind: Callable[[], None] | N
 class PooledBuffer:
     """One output buffer of a method, with what a writer must wait for before reusing it."""
 
-    __slots__ = ("__weakref__", "array", "blind", "event", "exported", "held", "lock", "unsure")
+    __slots__ = ("__weakref__", "array", "blind", "event", "exported", "held", "unsure")
 
     def __init__(self, array: DeviceArray, event: Event):
         self.array = array
@@ -92,7 +91,10 @@ class PooledBuffer:
         # (which cannot mark that stream), perhaps only just before the rewrite. Counted as
         # blind by needs_device_wait, so that may_wait_on_host never says no too early.
         self.unsure = False
-        self.lock = threading.Lock()
+        # No lock: each flag is set by plain assignments (atomic under the GIL), the export's
+        # and the let-go's only ever to True, and the rewrite clears them when no export is
+        # left to set them. A lock here could deadlock a let-go that a garbage collection
+        # runs inside it, on the thread that holds it.
 
     # Set once any buffer goes to a consumer whose work only a device-wide host wait covers:
     # until then Method.may_wait_on_host needs no scan.
@@ -102,23 +104,18 @@ class PooledBuffer:
         """Note an export of the buffer to another library, whose stream is ``consumer`` (None:
         unknown, so the rewrite waits for the whole device). Returns what to call when that
         consumer lets go (``mark_release``; None for an unknown stream)."""
-        with self.lock:
-            self.exported = True
-            if consumer is None:
-                self._go_blind()
-                return None
-            if consumer.owner_thread is not None:
-                self.unsure = True
-                PooledBuffer.blind_exports_seen = True
+        self.exported = True
+        if consumer is None:
+            self._blind()
+            return None
+        if consumer.owner_thread is not None:
+            self.unsure = True
+            PooledBuffer.blind_exports_seen = True
         return functools.partial(mark_release, self.array.buffer, consumer, self._blind)
 
-    def _go_blind(self) -> None:  # (no allocation: safe under the lock, GC or not)
+    def _blind(self) -> None:
         self.blind = True
         PooledBuffer.blind_exports_seen = True
-
-    def _blind(self) -> None:
-        with self.lock:
-            self._go_blind()
 
     @property
     def needs_device_wait(self) -> bool:
@@ -135,8 +132,7 @@ class PooledBuffer:
         if self.exported:
             if self.blind:  # a consumer nobody could mark: only a device-wide wait covers it
                 stream.device.synchronize()  # (interrupted, the buffer stays blind)
-            with self.lock:
-                self.exported = self.blind = self.unsure = False
+            self.exported = self.blind = self.unsure = False
         uses = self.array.buffer.uses
         if uses:
             if len(uses) > 1 or stream.key not in uses:  # else only our own stream used it

@@ -522,6 +522,55 @@ def test_an_interrupt_in_a_let_go_or_in_the_blind_wait_keeps_the_consumers_read_
         gone.close()
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # ctypes'
+def test_an_interrupt_as_a_let_go_begins_leaves_the_buffer_pinned_not_overwritten(host):
+    """A Ctrl-C landing as the DLPack deleter begins the mark (before any handler of its own
+    can run) released the export without the consumer's mark, and the rewrite overwrote what
+    the consumer had yet to read (found by a review, with a tracer standing in for the
+    signal handler). The export is now dropped only after the mark: the interrupt leaves it
+    held (its memory pinned, a leak) and the method writes another buffer."""
+    import sys
+    import threading
+
+    from streamlane.runtime import dlpack
+
+    m = scaler().method("forward", device=host)
+    x1 = rand()
+    r = m([x1])[0]
+    gone = host.create_stream()
+    latch = host.create_latch()
+    latch.hold(gone)
+    scratch = host.empty(r.shape, "float32", gone)
+    host.copy(scratch, r.array, gone)  # the consumer's read, held
+    capsule = dlpack.export(r.array.ptr, r.shape, r.dtype, dlpack.KDL_CPU, 0, r._holder,
+                            on_release=r._holder.pooled.export_to(gone))
+    del r
+    live = dlpack.live_exports()
+
+    def tracer(frame, event, arg):  # Ctrl-C's handler, run as mark_release is entered
+        if event == "call" and frame.f_code.co_name == "mark_release":
+            sys.settrace(None)
+            raise KeyboardInterrupt
+        return None
+
+    sys.settrace(tracer)
+    try:
+        del capsule  # the consumer lets go (ctypes prints the interrupt and goes on)
+    finally:
+        sys.settrace(None)
+    gc.collect()
+    assert dlpack.live_exports() == live, "the export was released without its mark"
+    timer = threading.Timer(0.1, latch.release)
+    timer.start()
+    try:
+        x2 = rand()
+        np.testing.assert_array_equal(m([x2])[0].to_host(), 2 * x2)
+        np.testing.assert_array_equal(host.to_host(scratch, gone), 2 * x1)
+    finally:
+        timer.join()
+        gone.close()
+
+
 def test_a_per_thread_consumer_keeps_the_event_loop_from_rewriting_until_the_rewrite(host):
     """A consumer on a per-thread stream turns the buffer blind only when it lets go, and only
     if on another thread; that could come after ``may_wait_on_host()`` said no, just before
