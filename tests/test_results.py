@@ -388,6 +388,23 @@ def _foreign_read_held(host, stream):
     return m, x1, latch, scratch, r._holder.pooled.export_to(stream)
 
 
+def _rewrite_after_the_held_read(host, m, x1, latch, scratch, stream):
+    """The method's next execute rewrites the buffer ``stream`` reads behind ``latch`` (a
+    timer releases it): that read must see ``x1``'s output, the rewrite its own. Closes
+    ``stream``."""
+    import threading
+
+    timer = threading.Timer(0.1, latch.release)
+    timer.start()
+    try:
+        x2 = rand()
+        np.testing.assert_array_equal(m([x2])[0].to_host(), 2 * x2)
+        np.testing.assert_array_equal(host.to_host(scratch, stream), 2 * x1)
+    finally:
+        timer.join()
+        stream.close()
+
+
 def _destroyed(host, monkeypatch, stream):
     """From now on the driver refuses ``stream`` (its owner destroyed it), as CUDA did with
     "context is destroyed" (at other times it crashed the process)."""
@@ -485,8 +502,6 @@ def test_an_interrupt_in_a_let_go_or_in_the_blind_wait_keeps_the_consumers_read_
     the buffer neither marked nor blind, and one inside the rewrite's device-wide wait had
     already cleared the blindness, so the rewrite that followed waited for nothing; both
     overwrote what the consumer (behind a latch) had yet to read."""
-    import threading
-
     gone = host.create_stream()
     m, x1, latch, scratch, let_go = _foreign_read_held(host, gone)
     real_record, real_sync = type(host)._record, type(host)._device_synchronize
@@ -511,15 +526,7 @@ def test_an_interrupt_in_a_let_go_or_in_the_blind_wait_keeps_the_consumers_read_
         m([rand()])  # the rewrite's device-wide wait, cut short
     monkeypatch.setattr(type(host), "_device_synchronize", real_sync)
     assert m.may_wait_on_host(), "the interrupted wait forgot the consumer"
-    timer = threading.Timer(0.1, latch.release)
-    timer.start()
-    try:
-        x2 = rand()
-        np.testing.assert_array_equal(m([x2])[0].to_host(), 2 * x2)
-        np.testing.assert_array_equal(host.to_host(scratch, gone), 2 * x1)
-    finally:
-        timer.join()
-        gone.close()
+    _rewrite_after_the_held_read(host, m, x1, latch, scratch, gone)
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # ctypes'
@@ -530,7 +537,6 @@ def test_an_interrupt_as_a_let_go_begins_leaves_the_buffer_pinned_not_overwritte
     signal handler). The export is now dropped only after the mark: the interrupt leaves it
     held (its memory pinned, a leak) and the method writes another buffer."""
     import sys
-    import threading
 
     from streamlane.runtime import dlpack
 
@@ -560,15 +566,7 @@ def test_an_interrupt_as_a_let_go_begins_leaves_the_buffer_pinned_not_overwritte
         sys.settrace(None)
     gc.collect()
     assert dlpack.live_exports() == live, "the export was released without its mark"
-    timer = threading.Timer(0.1, latch.release)
-    timer.start()
-    try:
-        x2 = rand()
-        np.testing.assert_array_equal(m([x2])[0].to_host(), 2 * x2)
-        np.testing.assert_array_equal(host.to_host(scratch, gone), 2 * x1)
-    finally:
-        timer.join()
-        gone.close()
+    _rewrite_after_the_held_read(host, m, x1, latch, scratch, gone)
 
 
 def test_a_per_thread_consumer_keeps_the_event_loop_from_rewriting_until_the_rewrite(host):
