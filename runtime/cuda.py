@@ -38,12 +38,10 @@ from .device import Device, PreparedLaunch, arity_error
 from .errors import DeviceError, InvalidArgument, KernelCompileError
 from .event import Event
 from .memory import DeviceArray
-from .stream import LEGACY, PER_THREAD, Stream
+from .stream import LEGACY, LEGACY_HANDLE, PER_THREAD, PER_THREAD_HANDLE, Stream
 
 __all__ = ["CudaDevice", "check", "usable", "why_unusable"]
 
-PER_THREAD_HANDLE = 0x2  # CU_STREAM_PER_THREAD
-LEGACY_HANDLE = 0x1  # CU_STREAM_LEGACY
 LATCH_TIMEOUT_US = 60_000_000
 
 # Pageable host-to-device copies: measured on an H200 (driver 580) with the stream busy for

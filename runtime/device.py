@@ -23,7 +23,7 @@ from .dtypes import as_host_array
 from .errors import InvalidArgument
 from .event import Event
 from .memory import Buffer, DeviceArray
-from .stream import FOREIGN, OWNED, Stream, foreign_stream_handle
+from .stream import FOREIGN, LEGACY_HANDLE, OWNED, PER_THREAD_HANDLE, Stream, foreign_stream_handle
 
 __all__ = ["Device", "DeviceStats", "Latch", "PreparedLaunch", "get_device"]
 
@@ -133,9 +133,9 @@ class Device(ABC):
         stream, else a borrowed foreign stream kept with ``keepalive``)."""
         if isinstance(handle, bool) or not isinstance(handle, int) or not 0 <= handle < 1 << 64:
             raise InvalidArgument(f"invalid stream handle {handle!r}")
-        if handle in (0, 1):
+        if handle in (0, LEGACY_HANDLE):
             return self.legacy_stream()
-        if handle == 2:
+        if handle == PER_THREAD_HANDLE:
             return self.per_thread_stream()
         return Stream(self, FOREIGN, handle, self._foreign_stream(handle), keepalive=keepalive)
 

@@ -31,7 +31,7 @@ from .device import Device, PreparedLaunch
 from .errors import DeviceError, InvalidArgument, StreamClosed
 from .event import Event
 from .memory import DeviceArray
-from .stream import LEGACY, PER_THREAD, Stream
+from .stream import LEGACY, LEGACY_HANDLE, PER_THREAD, PER_THREAD_HANDLE, Stream
 
 __all__ = ["HostDevice"]
 
@@ -121,7 +121,7 @@ class HostDevice(Device):
         self._every_worker: weakref.WeakSet[_Worker] = weakref.WeakSet()
         self._every_lock = threading.Lock()
         self._legacy_worker = _Worker(self, "legacy")
-        self._legacy = Stream(self, LEGACY, 0x1, self._legacy_worker)
+        self._legacy = Stream(self, LEGACY, LEGACY_HANDLE, self._legacy_worker)
         self._workers: weakref.WeakValueDictionary[int, _Worker] = weakref.WeakValueDictionary()
         self._error: DeviceError | None = None
 
@@ -153,7 +153,8 @@ class HostDevice(Device):
         holder = getattr(self._local, "holder", None)
         if holder is None:
             worker = _Worker(self, f"thread-{threading.get_ident()}")
-            stream = Stream(self, PER_THREAD, 0x2, worker, owner_thread=threading.get_ident())
+            stream = Stream(self, PER_THREAD, PER_THREAD_HANDLE, worker,
+                            owner_thread=threading.get_ident())
             holder = self._local.holder = _ThreadStream(stream, worker)
         return holder.stream
 

@@ -37,6 +37,10 @@ PER_THREAD = "per-thread"
 LEGACY = "legacy"
 OWNED = "owned"
 FOREIGN = "foreign"
+# The handles CUDA (and DLPack's stream= argument) gives the two default streams: the calling
+# thread's per-thread stream, a different one on each thread, and the legacy stream.
+PER_THREAD_HANDLE = 0x2  # CU_STREAM_PER_THREAD
+LEGACY_HANDLE = 0x1  # CU_STREAM_LEGACY
 
 
 class Stream:

@@ -58,9 +58,8 @@ import numpy as np
 from anyio.lowlevel import checkpoint, checkpoint_if_cancelled
 
 from streamlane.runtime import CallerStream, Device, Event, Method, Result, Stream, get_device
-from streamlane.runtime.cuda import PER_THREAD_HANDLE
 from streamlane.runtime.errors import InvalidArgument, InvalidState, NotSupported, StreamClosed
-from streamlane.runtime.stream import foreign_stream_handle
+from streamlane.runtime.stream import PER_THREAD_HANDLE, foreign_stream_handle
 from streamlane.sched._reentry import reentered, streamlane_frame
 
 from ._wakeup import LoopWaker, _nothing
