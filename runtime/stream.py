@@ -227,14 +227,7 @@ class CallerStream:
     __slots__ = ("stream",)
 
     def __init__(self, stream: Any):
-        try:  # hasattr runs a property, which may raise anything (AttributeError: False,
-            # then its class tells a property that raised it from no attribute at all)
-            usable = stream is None or isinstance(stream, Stream) or hasattr(
-                stream, "__cuda_stream__") or hasattr(type(stream), "__cuda_stream__")
-        except Exception as exc:
-            raise InvalidArgument(f"CallerStream: reading {type(stream).__name__}."
-                                  f"__cuda_stream__ raised {exc!r}") from None
-        if not usable:
+        if not (stream is None or isinstance(stream, Stream) or offers_stream_protocol(stream)):
             raise InvalidArgument(
                 f"CallerStream expects a streamlane Stream, an object with __cuda_stream__, or "
                 f"None (legacy default stream); got {type(stream).__name__}")
@@ -299,6 +292,17 @@ def no_caller_stream() -> Iterator[None]:
         yield
     finally:
         _selection.stack = saved if saved is not None else []
+
+
+def offers_stream_protocol(obj: Any) -> bool:
+    """Whether ``obj`` has ``__cuda_stream__`` (a property of its class that raises
+    ``AttributeError`` counts: reading it later says what it raised). A property raising
+    anything else is an ``InvalidArgument`` saying so."""
+    try:
+        return hasattr(obj, "__cuda_stream__") or hasattr(type(obj), "__cuda_stream__")
+    except Exception as exc:  # hasattr runs a property, which may raise anything
+        raise InvalidArgument(f"reading {type(obj).__name__}.__cuda_stream__ raised "
+                              f"{exc!r}") from None
 
 
 def foreign_stream_handle(obj: Any) -> int:

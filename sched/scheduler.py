@@ -57,9 +57,13 @@ import anyio
 import numpy as np
 from anyio.lowlevel import checkpoint, checkpoint_if_cancelled
 
-from streamlane.runtime import CallerStream, Device, Event, Method, Result, Stream, get_device
+from streamlane.runtime import Device, Event, Method, Result, Stream, get_device
 from streamlane.runtime.errors import InvalidArgument, InvalidState, NotSupported, StreamClosed
-from streamlane.runtime.stream import PER_THREAD_HANDLE, foreign_stream_handle
+from streamlane.runtime.stream import (
+    PER_THREAD_HANDLE,
+    foreign_stream_handle,
+    offers_stream_protocol,
+)
 from streamlane.sched._reentry import reentered, streamlane_frame
 
 from ._wakeup import LoopWaker, _nothing
@@ -722,32 +726,7 @@ class Scheduler:
     def _check_stream(self, stream: Any) -> None:
         """Validate ``stream=``. The last streamlane Stream that passed is remembered (weakly):
         ``submit`` then re-checks only whether it closed."""
-        if not isinstance(stream, Stream):
-            try:  # a property may raise anything (AttributeError too): CallerStream says what
-                usable = hasattr(stream, "__cuda_stream__") or hasattr(
-                    type(stream), "__cuda_stream__")
-            except Exception:
-                usable = True
-            if not usable:  # CallerStream's own message offers None, the legacy stream
-                raise InvalidArgument(
-                    f"stream= takes a Stream of this device (device.create_stream()) or an "
-                    f"object with __cuda_stream__ (torch, CuPy, cuda.core), got "
-                    f"{type(stream).__name__}; leave it None to run the job on its lane's own "
-                    f"stream")
-        CallerStream(stream)  # raises InvalidArgument for a bad __cuda_stream__
-        if not isinstance(stream, Stream):
-            try:
-                handle = foreign_stream_handle(stream)
-            except InvalidArgument:
-                return  # what is wrong with it fails the job (its lane reads it again)
-            if handle == PER_THREAD_HANDLE:  # refused as a per-thread Stream is, below
-                raise InvalidArgument(
-                    f"stream= {type(stream).__name__} names the per-thread default stream "
-                    f"(handle {PER_THREAD_HANDLE}), a different stream on each thread: the job "
-                    f"would run on whichever thread enqueues it, unordered with the caller's "
-                    f"own work there; pass a created stream (device.create_stream(), "
-                    f"torch.cuda.Stream(), cupy.cuda.Stream())")
-        else:
+        if isinstance(stream, Stream):
             if stream.device is not self.device:
                 raise InvalidArgument(f"stream= {stream!r} belongs to {stream.device.name}, "
                                       f"but this scheduler runs {self.device.name}")
@@ -757,6 +736,23 @@ class Scheduler:
             if stream.closed:
                 raise _closed_stream_given(stream)
             self._checked_stream = weakref.ref(stream)
+            return
+        if not offers_stream_protocol(stream):  # (CallerStream's message offers None)
+            raise InvalidArgument(
+                f"stream= takes a Stream of this device (device.create_stream()) or an object "
+                f"with __cuda_stream__ (torch, CuPy, cuda.core), got {type(stream).__name__}; "
+                f"leave it None to run the job on its lane's own stream")
+        try:
+            handle = foreign_stream_handle(stream)
+        except InvalidArgument:
+            return  # what is wrong with it fails the job (its lane reads it again)
+        if handle == PER_THREAD_HANDLE:  # refused, as a per-thread Stream is
+            raise InvalidArgument(
+                f"stream= {type(stream).__name__} names the per-thread default stream (handle "
+                f"{PER_THREAD_HANDLE}), a different stream on each thread: the job would run "
+                f"on whichever thread enqueues it, unordered with the caller's own work there; "
+                f"pass a created stream (device.create_stream(), torch.cuda.Stream(), "
+                f"cupy.cuda.Stream())")
 
     def _check_open(self) -> None:
         if self._broken is not None:
