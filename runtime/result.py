@@ -50,25 +50,21 @@ def mark_release(buffer: Buffer, consumer: Stream, blind: Callable[[], None] | N
 
     It takes no lock: a garbage collection can run it on a thread inside any allocation."""
     try:
+        device = consumer.device
+        gil = device.hold_gil(False)  # a record may block on a full queue: not with the GIL
         try:
-            device = consumer.device
-            gil = device.hold_gil(False)  # a record may block on a full queue: not with the GIL
-            try:
-                mark = consumer.record()
-            finally:
-                device.hold_gil(gil)
-        except Exception:
-            if blind is not None:
-                blind()
-            return
+            mark = consumer.record()
+        finally:
+            device.hold_gil(gil)
         uses = buffer.uses
         uses[consumer.key] = mark  # its latest let-go covers the earlier ones there
         if len(uses) >= PRUNE_USES_AT:
             prune_uses(uses, consumer.key)  # the readers the device has passed
-    except BaseException:
+    except BaseException as exc:
         if blind is not None:
             blind()
-        raise
+        if not isinstance(exc, Exception):  # an interrupt goes on (a deleter prints it)
+            raise
 
 
 class PooledBuffer:
