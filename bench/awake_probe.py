@@ -13,6 +13,10 @@ hypothesis holds, N = 8 moves from ~0.8 of raw to within 10% of it, and the lone
 the wake-up share of its p50. Nothing in the library changes; the keep-awake task is the
 probe's. The price is a busy core while it runs, as raw's spinning wait costs one.
 
+A third configuration, *polled*, has the awaiting task itself query each job
+(``while not job.done(): await checkpoint()``, which settles a job the device has finished on
+the loop) before its ``await``: completion with no thread hop at all, the loop busy.
+
 Usage: ``python bench/awake_probe.py [--device cuda] [--rounds 5]``; prints a table per part
 and writes JSON (``--out``).
 """
@@ -79,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         raw_streams = [raw.stream() for _ in range(max(counts))]
         raw_events = [raw.event() for _ in range(max(counts))]
 
-    async def burst(n: int, on_streams: bool, timing: bool) -> float:
+    async def burst(n: int, on_streams: bool, timing: bool, polled: bool = False) -> float:
         async with Scheduler(dev, lanes=1, timing=timing) as sched:
             await sched.run(methods[0], [x])  # warm
             walls = []
@@ -89,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
                                            stream=streams[i] if on_streams else None)
                         for i in range(n)]
                 for job in jobs:
+                    while polled and not job.done():  # the loop queries, settles, yields
+                        await anyio.lowlevel.checkpoint()
                     await job
                 walls.append(time.perf_counter() - t)
             return statistics.median(walls)
@@ -118,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
                         anyio.run(_with_keep_awake, awake, burst, n, False, timing))
                     samples.setdefault((n, "streams " + key), []).append(
                         anyio.run(_with_keep_awake, awake, burst, n, True, timing))
+                key = "timed" if timing else "untimed"
+                samples.setdefault((n, f"streams {key}, polled"), []).append(
+                    anyio.run(burst, n, True, timing, True))
             if raw is not None:
                 samples.setdefault((n, "raw serial"), []).append(raw_wall(n, False))
                 samples.setdefault((n, "raw streams"), []).append(raw_wall(n, True))
@@ -128,13 +137,15 @@ def main(argv: list[str] | None = None) -> int:
         if raw is not None:
             rows.append({"N": n, "config": "raw streams", "ms": med["raw streams"] * 1e3,
                          "speedup": raw_speedup, "vs_raw": 1.0})
-        for key in ("timed", "timed, awake", "untimed", "untimed, awake"):
+        for key in ("timed", "timed, awake", "timed, polled", "untimed", "untimed, awake",
+                    "untimed, polled"):
             # the denominator is always the plain one lane (as bench_sched's), so an awake
             # loop's gain on the serial baseline cannot inflate its speedup
             plain = "timed" if key.startswith("timed") else "untimed"
             speedup = med["one lane " + plain] / med["streams " + key]
             rows.append({"N": n, "config": "streams " + key, "ms": med["streams " + key] * 1e3,
-                         "one_lane_ms": med["one lane " + key] * 1e3, "speedup": speedup,
+                         "one_lane_ms": med.get("one lane " + key, float("nan")) * 1e3,
+                         "speedup": speedup,
                          "vs_raw": speedup / raw_speedup if raw_speedup else None})
     rep.section(f"overlap of N single-block {spin_us}-us spins on caller streams, with and "
                 f"without a keep-awake task (medians of {args.rounds} interleaved rounds of "
