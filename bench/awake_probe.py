@@ -15,7 +15,9 @@ probe's. The price is a busy core while it runs, as raw's spinning wait costs on
 
 A third configuration, *polled*, has the awaiting task itself query each job
 (``while not job.done(): await checkpoint()``, which settles a job the device has finished on
-the loop) before its ``await``: completion with no thread hop at all, the loop busy.
+the loop) before its ``await``: completion with no thread hop at all, the loop busy. A fourth,
+*runtime on the loop, polled*, uses no scheduler: the loop thread calls each method under its
+caller stream and polls its event, the bound for any design that launches and settles there.
 
 Usage: ``python bench/awake_probe.py [--device cuda] [--rounds 5]``; prints a table per part
 and writes JSON (``--out``).
@@ -37,7 +39,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _common import Report
 from bench_sched import spin_program, tiny_program
 
-from streamlane.runtime import Result, get_device
+from streamlane.runtime import CallerStream, Result, get_device
 from streamlane.sched import Scheduler
 
 
@@ -99,6 +101,25 @@ def main(argv: list[str] | None = None) -> int:
                 walls.append(time.perf_counter() - t)
             return statistics.median(walls)
 
+    events = [dev.create_event() for _ in range(max(counts))]
+
+    async def bound(n: int) -> float:
+        """No scheduler: the loop thread calls the runtime under a caller stream per job and
+        polls each job's event, yielding between queries. No thread hop, no wake-up: the best
+        any design that launches and settles on the loop could do."""
+        walls = []
+        for _ in range(reps + 1):
+            t = time.perf_counter()
+            for i in range(n):
+                with CallerStream(streams[i]):
+                    methods[i]([x])
+                streams[i].record(events[i])
+            for i in range(n):
+                while not events[i].query():
+                    await anyio.lowlevel.checkpoint()
+            walls.append(time.perf_counter() - t)
+        return statistics.median(walls[1:])
+
     def raw_wall(n: int, parallel: bool) -> float:
         walls = []
         for _ in range(reps):
@@ -127,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
                 key = "timed" if timing else "untimed"
                 samples.setdefault((n, f"streams {key}, polled"), []).append(
                     anyio.run(burst, n, True, timing, True))
+            samples.setdefault((n, "runtime on the loop, polled"), []).append(
+                anyio.run(bound, n))
             if raw is not None:
                 samples.setdefault((n, "raw serial"), []).append(raw_wall(n, False))
                 samples.setdefault((n, "raw streams"), []).append(raw_wall(n, True))
@@ -137,6 +160,10 @@ def main(argv: list[str] | None = None) -> int:
         if raw is not None:
             rows.append({"N": n, "config": "raw streams", "ms": med["raw streams"] * 1e3,
                          "speedup": raw_speedup, "vs_raw": 1.0})
+        speedup = med["one lane untimed"] / med["runtime on the loop, polled"]
+        rows.append({"N": n, "config": "runtime on the loop, polled",
+                     "ms": med["runtime on the loop, polled"] * 1e3, "speedup": speedup,
+                     "vs_raw": speedup / raw_speedup if raw_speedup else None})
         for key in ("timed", "timed, awake", "timed, polled", "untimed", "untimed, awake",
                     "untimed, polled"):
             # the denominator is always the plain one lane (as bench_sched's), so an awake
