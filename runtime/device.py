@@ -519,12 +519,18 @@ _devices_lock = threading.Lock()
 BACKENDS = ("auto", "host", "cuda", "cuda:N")
 
 
+def is_auto(name: object) -> bool:
+    """Whether ``name`` asks for the automatic choice (case and spaces ignored, as for every
+    device name)."""
+    return isinstance(name, str) and name.strip().lower() == "auto"
+
+
 def get_device(name: str | None = None) -> Device:
     """The device named ``"auto" | "host" | "cuda" | "cuda:N"`` (default: env
     ``STREAMLANE_DEVICE``, else ``"auto"``). ``auto`` picks cuda when a GPU is usable, else host.
     Forcing cuda without a usable GPU raises ``DeviceError`` saying why; never a fallback."""
     source = ""
-    if name is None or name == "auto":
+    if name is None or is_auto(name):  # "AUTO" and " auto " too, as "HOST" is host
         name = os.environ.get("STREAMLANE_DEVICE") or "auto"
         source = " (from $STREAMLANE_DEVICE)" if name != "auto" else ""
     if not isinstance(name, str):

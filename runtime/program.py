@@ -224,14 +224,14 @@ class Program:
         With ``device=None`` (or ``"auto"``) the device is ``get_device()``'s choice; when that
         is a GPU and the program names a ``device_index`` (and ``STREAMLANE_DEVICE`` is unset),
         it is that GPU. The host device has one index and takes any program."""
-        from .device import Device, get_device
+        from .device import Device, get_device, is_auto
         from .method import Method
 
         if not isinstance(name, str) or name not in self.methods:
             raise InvalidArgument(f"program {self.name!r} has no method {name!r}; methods: "
                                   f"{', '.join(self.methods)}")
         if not isinstance(device, Device):
-            chosen = device is None or device == "auto"
+            chosen = device is None or is_auto(device)
             device = get_device(device)
             if (chosen and device.kind == "cuda" and self.device_index is not None
                     and not os.environ.get("STREAMLANE_DEVICE")
@@ -369,7 +369,7 @@ class MethodBuilder:
                 raise InvalidProgram(f"{where}.shape", f"the shape of {kernel}'s output, which "
                                      f"it cannot infer: step({kernel!r}, out=..., shape=(...))",
                                      None)
-            name = out if (out is not None and k == 0) else f"t{len(self._steps)}_{k}"
+            name = out if (out is not None and k == 0) else self._fresh_name(k)
             dtype = known[0][0] if ins else "float32"
             self._declare(name, dtype, inferred)
             outs.append(name)
@@ -423,6 +423,16 @@ class MethodBuilder:
                 raise InvalidProgram(f"{where}.name", "an output declared once", name)
             declared.add(name)
         self._outputs.extend(names)
+
+    def _fresh_name(self, k: int) -> str:
+        """A name for this step's ``k``-th output that nothing in the method or program uses
+        yet: ``t<step>_<k>``, suffixed while taken (a user may have named a buffer that way,
+        and the step must not write into it)."""
+        base = name = f"t{len(self._steps)}_{k}"
+        n = 1
+        while self._known(name) is not None:  # inputs, buffers, constants
+            name, n = f"{base}_{n}", n + 1
+        return name
 
     def _declare(self, name: str, dtype: str, shape: Sequence[int]) -> None:
         if self._known(name) is None:

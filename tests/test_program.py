@@ -604,6 +604,7 @@ def test_device_index_picks_the_gpu_only_when_the_device_is_left_to_auto(tmp_pat
     monkeypatch.setattr(method_module, "Method", lambda program, mdef, device, options: device)
     assert program.method("forward").name == "cuda:3"
     assert program.method("forward", device="auto").name == "cuda:3"
+    assert program.method("forward", device=" AUTO ").name == "cuda:3"  # as get_device reads it
     assert program.method("forward", device="cuda:0").name == "cuda:0"
     assert program.method("forward", device=FakeGpu("cuda:1")).name == "cuda:1"
     monkeypatch.setenv("STREAMLANE_DEVICE", "cuda")
@@ -1021,6 +1022,26 @@ def test_a_manifest_path_that_is_a_fifo_nobody_writes_to_does_not_hang(tmp_path)
 def test_a_path_holding_a_nul_is_invalid_argument():
     with pytest.raises(InvalidArgument, match="NUL"):
         Program.load("model\0.json")
+
+
+def test_a_step_named_for_the_builder_never_writes_into_a_users_tensor():
+    """A step without ``out=`` is named ``t<step>_<k>``; a buffer, input or constant the user
+    had named so was taken as that output, and the step wrote into it: relu(x) + 3x came
+    back as 3x + 3x, silently."""
+    from streamlane.runtime import get_device
+
+    b = Program.build("p", {"t3_0": np.ones(4, np.float32)})
+    m = b.method("forward", x=("float32", [4]), t4_0=("float32", [4]))
+    a = m.step("relu", "x", out="t2_0")  # the user's name
+    m.step("scale", "x", factor=2.0)  # t1_0
+    c = m.step("scale", "x", factor=3.0)  # would be t2_0: a's buffer
+    d = m.step("add", a, c)  # would be t3_0: the constant
+    e = m.step("add", d, "t4_0")  # would be t4_0: the second input
+    assert len({a, c, d, e, "t3_0", "t4_0"}) == 6
+    m.output(m.step("add", e, "t3_0", out="y"))
+    x = np.array([-1, 1, 2, -3], np.float32)
+    y = b.finish().method("forward", device=get_device("host"))([x, x])[0].to_host()
+    np.testing.assert_array_equal(y, np.maximum(x, 0) + 3 * x + x + 1)
 
 
 def test_the_builder_refuses_an_output_declared_twice():

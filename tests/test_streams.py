@@ -431,6 +431,9 @@ def test_device_selection(monkeypatch):
     monkeypatch.setenv("STREAMLANE_DEVICE", "gpu")
     with pytest.raises(InvalidArgument, match=r"'gpu' \(from \$STREAMLANE_DEVICE\)"):
         get_device()
+    for auto in ("AUTO", " auto ", "Auto"):  # as "HOST" is host: the variable still forces
+        with pytest.raises(InvalidArgument, match=r"'gpu' \(from \$STREAMLANE_DEVICE\)"):
+            get_device(auto)
 
 
 def test_forcing_cuda_without_gpu_is_a_clear_error(monkeypatch):
