@@ -98,20 +98,26 @@ def _latch_launch(ins: list[Shape], outs: list[Shape], p: Mapping[str, Any]) -> 
                                               (p["timeout_us"] * 1000, c_ulonglong)))
 
 
-def _latch_host(ins: Sequence[np.ndarray], outs: Sequence[np.ndarray],
-                p: Mapping[str, Any]) -> None:
+def _latch_host_check(p: Mapping[str, Any]) -> None:
     release = p.get(RELEASE_KEY)
     if not callable(getattr(release, "wait", None)):
         # Waiting out the timeout instead would turn a wiring bug into a silent minute-long hang.
-        raise KernelSpecError(f"params.{RELEASE_KEY}", "a threading.Event set on release",
+        raise KernelSpecError(f"params.{RELEASE_KEY}", "a threading.Event set on release (on "
+                              "the host device a latch comes from device.create_latch())",
                               release)
-    release.wait(p["timeout_us"] / 1e6)  # returns on release or timeout, like the GPU latch
+
+
+def _latch_host(ins: Sequence[np.ndarray], outs: Sequence[np.ndarray],
+                p: Mapping[str, Any]) -> None:
+    _latch_host_check(p)
+    p[RELEASE_KEY].wait(p["timeout_us"] / 1e6)  # returns on release or timeout, as on the GPU
 
 
 LATCH = KernelSpec(
     name="latch", n_in=0, n_out=0, source=LATCH_CUDA, entry="sl_latch",
     infer=_no_ins("latch"), configure=checked_configure("latch", _no_ins("latch"), _latch_launch),
-    host=_latch_host, reference=lambda ins, p: [], in_programs=False,
+    host=_latch_host, host_check=_latch_host_check, reference=lambda ins, p: [],
+    in_programs=False,
     params={
         "flag_ptr": Param(int, None, minimum=0, maximum=2**64 - 1,
                           doc="device address of a host-mapped uint32 flag; the latch opens "

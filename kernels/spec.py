@@ -101,6 +101,10 @@ class KernelSpec:
     # written only by the thread that read what it needs of it, after reading it.
     in_place: bool = False
     doc: str = ""
+    # Params the numpy twin needs beyond the CUDA kernel's (a host-side object): the host
+    # device runs this when it prepares a launch, so a launch it could not run is refused
+    # there (KernelSpecError), not on its stream's worker, which would fault the device.
+    host_check: Callable[[Mapping[str, Any]], None] | None = None
 
     def resolve_params(self, given: Mapping[str, Any] | None) -> dict[str, Any]:
         """Validate ``given`` against the declared params and fill in defaults."""

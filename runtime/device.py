@@ -271,6 +271,7 @@ class Device(ABC):
                     raise KernelSpecError(f"out[{i}]", f"shape {list(want)}", list(got))
             resolved.update(extra or {})
             config = spec.configure(ins, outs, resolved)
+            self._check_launch(spec, resolved)
         except KernelSpecError as exc:
             raise InvalidArgument(f"kernel {kernel!r}: {exc}") from None
         return PreparedLaunch(self, spec, config, resolved,
@@ -317,6 +318,9 @@ class Device(ABC):
     def create_latch(self) -> Latch:
         """A latch: ``hold(stream)`` blocks that stream on the device until ``release()``."""
         return Latch(self)
+
+    def _check_launch(self, spec: KernelSpec, params: Mapping[str, Any]) -> None:  # noqa: B027
+        """Raise ``KernelSpecError`` for a launch this backend could not run (``prepare``)."""
 
     def _function(self, spec: KernelSpec, entry: str) -> Any:
         key = (spec.name, entry)

@@ -20,7 +20,7 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -285,6 +285,10 @@ class HostDevice(Device):
         stream_impl.put(lambda: np.copyto(d, s))
 
     # -- kernels ------------------------------------------------------------------------------
+    def _check_launch(self, spec: KernelSpec, params: Mapping[str, Any]) -> None:
+        if spec.host_check is not None:  # what the numpy twin needs beyond the CUDA kernel
+            spec.host_check(params)
+
     def _load_kernel(self, spec: KernelSpec, entry: str) -> Any:
         return spec.host  # one numpy twin, whatever the CUDA entry
 

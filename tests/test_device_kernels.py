@@ -83,3 +83,28 @@ def test_layernorm_of_rows_far_from_zero(device):
             np.testing.assert_array_equal(got, np.zeros_like(x))
         else:
             assert rel_err(got, want) <= 1e-4, rel_err(got, want)
+
+
+def test_a_latch_the_host_device_cannot_run_is_refused_at_launch_not_on_its_stream():
+    """``launch("latch", flag_ptr=5)`` is CUDA's way; on the host device it was accepted, then
+    its numpy twin (which waits on a host-side event) failed on the stream's worker and the
+    device was lost for the rest of the process. It is refused at the launch, and the device
+    keeps working."""
+    from streamlane.runtime import get_device
+    from streamlane.runtime.errors import InvalidArgument
+
+    dev = get_device("host")
+    s = dev.create_stream()
+    try:
+        with pytest.raises(InvalidArgument, match=r"params\._release.*create_latch"):
+            dev.launch("latch", s, [], [], {"flag_ptr": 5, "timeout_us": 1000})
+        with pytest.raises(InvalidArgument, match=r"params\._release"):
+            dev.prepare("latch", [], [], {"flag_ptr": 5})
+        s.synchronize()
+        assert not dev.lost
+        with dev.create_latch() as latch:  # the host device's way still works
+            latch.hold(s)
+            latch.release()
+        s.synchronize()
+    finally:
+        s.close()
