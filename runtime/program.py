@@ -116,6 +116,8 @@ class Program:
         if not isinstance(path, (str, os.PathLike)):
             raise InvalidArgument(f"Program.load takes a path (str or os.PathLike), got "
                                   f"{type(path).__name__}")
+        if not os.fspath(path):  # Path("") is ".", which would be reported as "at ."
+            raise InvalidArgument("Program.load: the path is empty")
         path = Path(path)
         if "\0" in str(path):
             raise InvalidArgument(f"Program.load: the path {str(path)!r} holds a NUL character")
@@ -124,8 +126,9 @@ class Program:
                 size = os.fstat(f.fileno()).st_size  # 0 for a pipe or a device
                 raw = b"" if size > MAX_MANIFEST_BYTES else _read_at_most(
                     f, size + 1 if size else MAX_MANIFEST_BYTES + 1)
-        except OSError as exc:
-            raise InvalidProgram("", f"a readable manifest file at {path}", str(exc)) from None
+        except OSError as exc:  # strerror: the message without the file descriptor's number
+            raise InvalidProgram("", f"a readable manifest file at {path}",
+                                 exc.strerror or str(exc)) from None
         if size > MAX_MANIFEST_BYTES or len(raw) > MAX_MANIFEST_BYTES:
             raise InvalidProgram("", f"a manifest of at most {MAX_MANIFEST_BYTES} bytes",
                                  size if size > MAX_MANIFEST_BYTES else

@@ -1024,6 +1024,20 @@ def test_a_path_holding_a_nul_is_invalid_argument():
         Program.load("model\0.json")
 
 
+def test_a_manifest_that_cannot_be_read_is_reported_by_its_path(tmp_path):
+    """A folder's error read "[Errno 21] Is a directory: 3", naming the file descriptor, and
+    an empty path was reported as "at ."."""
+    with pytest.raises(InvalidProgram) as info:
+        Program.load(tmp_path)
+    assert str(tmp_path) in str(info.value) and "Is a directory" in str(info.value)
+    assert "Errno" not in str(info.value)
+    with pytest.raises(InvalidProgram, match="No such file or directory") as info:
+        Program.load(tmp_path / "missing.json")
+    assert str(tmp_path / "missing.json") in str(info.value)
+    with pytest.raises(InvalidArgument, match="empty"):
+        Program.load("")
+
+
 def test_a_step_named_for_the_builder_never_writes_into_a_users_tensor():
     """A step without ``out=`` is named ``t<step>_<k>``; a buffer, input or constant the user
     had named so was taken as that output, and the step wrote into it: relu(x) + 3x came
