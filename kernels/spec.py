@@ -123,6 +123,8 @@ class KernelSpec:
                 out[key] = p.default
                 continue
             given_value = value = given[key]
+            if isinstance(value, (np.integer, np.floating)):  # np.float32(2): as 2.0 is
+                value = value.item()
             ok = isinstance(value, (int, float)) and not isinstance(value, bool)
             # math, not np.isfinite: numpy raises TypeError on ints beyond 64 bits (2**64),
             # and float() overflows on huge ints; both are bad params, not crashes.

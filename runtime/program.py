@@ -315,8 +315,9 @@ class MethodBuilder:
             if not isinstance(decl, (tuple, list)) or len(decl) != 2:
                 raise InvalidProgram(where, "(dtype, shape)", decl)
             d, shape = decl
-            item = {"name": k, "dtype": d, "shape": list(shape) if isinstance(
-                shape, (list, tuple)) else shape}
+            given = _shape_given(shape)  # numpy integers too, as step(shape=) takes them
+            item = {"name": k, "dtype": d, "shape": list(given) if given is not None else
+                    list(shape) if isinstance(shape, (list, tuple)) else shape}
             _Validator({}, {}, {})._tensor(item, where)  # as a manifest's input would be
             self._inputs.append(item)
         self._buffers: list[dict[str, Any]] = []
@@ -324,7 +325,7 @@ class MethodBuilder:
         self._outputs: list[str] = []
         # its inputs' and buffers' (dtype, shape); constants are looked up in the parent, so
         # one added after this method was started is usable too (_known)
-        self._shapes = {k: (d, tuple(s)) for k, (d, s) in inputs.items()}
+        self._shapes = {it["name"]: (it["dtype"], tuple(it["shape"])) for it in self._inputs}
 
     def _known(self, name: Any) -> tuple[str, tuple[int, ...]] | None:
         if not isinstance(name, str):
@@ -377,8 +378,9 @@ class MethodBuilder:
             self._declare(name, dtype, inferred)
             outs.append(name)
         d = {"kernel": kernel, "in": list(ins), "out": outs}
-        if params:
-            d["params"] = params
+        if params:  # numpy scalars as the plain numbers a manifest holds (save() writes JSON)
+            d["params"] = {k: v.item() if isinstance(v, (np.integer, np.floating)) else v
+                           for k, v in params.items()}
         self._steps.append(d)
         return outs[0] if outs else ""
 

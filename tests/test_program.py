@@ -1058,6 +1058,30 @@ def test_a_step_named_for_the_builder_never_writes_into_a_users_tensor():
     np.testing.assert_array_equal(y, np.maximum(x, 0) + 3 * x + x + 1)
 
 
+def test_the_builder_takes_numpy_scalars_as_the_numbers_they_hold(tmp_path):
+    """``factor=np.float32(2)`` and an input shape ``(np.int64(4),)`` were refused while
+    ``shape=np.array([4])`` was taken; numpy scalars now count as the numbers they hold (a
+    numpy bool as a bool: refused), and ``save()`` writes them as plain JSON numbers."""
+    from streamlane.runtime import get_device
+
+    b = Program.build("p")
+    m = b.method("forward", x=("float32", (np.int64(4),)))
+    y = m.step("scale", "x", factor=np.float32(2))
+    m.step("spin", us=np.int64(5))
+    m.output(y)
+    program = b.finish()
+    path = tmp_path / "p.json"
+    program.save(path)
+    assert json.loads(path.read_text())["methods"]["forward"]["steps"][0]["params"] == {
+        "factor": 2.0}
+    x = np.ones(4, np.float32)
+    np.testing.assert_array_equal(Program.load(path).method(
+        "forward", device=get_device("host"))([x])[0].to_host(), 2 * x)
+    for bad in (np.bool_(True), np.float32("nan")):
+        with pytest.raises(InvalidProgram, match="factor"):
+            Program.build("q").method("f", x=("float32", [4])).step("scale", "x", factor=bad)
+
+
 def test_the_builder_refuses_an_output_declared_twice():
     """``m.output(y, y)`` was taken as one output, silently; a file saying so is refused."""
     b = Program.build("p")
