@@ -39,7 +39,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--requests", type=int, default=32,
                       help=f"encoder+decoder requests per configuration, 1..{MAX_REQUESTS} "
                            f"(default: 32)")
-    demo.add_argument("--out", type=Path, default=Path("streamlane-out"),
+    demo.add_argument("--out", type=_folder, default=Path("streamlane-out"),
                       help="folder for the PNG timelines and Chrome traces "
                            "(default: ./streamlane-out)")
     demo.add_argument("--backend", choices=BACKENDS, default="asyncio",
@@ -128,6 +128,14 @@ def _missing_backend(backend: str) -> str | None:
             "pip install uvloop (it does not support Windows)"
         return f"--backend {backend} needs the {backend} package: {how}, or use --backend asyncio"
     return None
+
+
+def _folder(text: str) -> Path:
+    """``--out``: an empty name is refused (``Path("")`` is the current folder, where the
+    demo's files would land unasked)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("empty; name a folder (it is created if missing)")
+    return Path(text)
 
 
 def _unusable_out(out: Path) -> str | None:

@@ -15,6 +15,7 @@ timing events and written as a PNG and a Chrome/Perfetto trace.
 from __future__ import annotations
 
 import gc
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -154,7 +155,8 @@ async def _run(config: str, device: Device, p: _Programs, xs: list[np.ndarray],
     correct, worst = 0, 0.0
     for (y, z), (y_ref, z_ref) in zip(outputs, refs, strict=True):
         for got, want in ((y.to_host(), y_ref), (z.to_host(), z_ref)):
-            worst = max(worst, float(np.max(np.abs(got - want))))
+            error = float(np.max(np.abs(got - want)))
+            worst = max(worst, math.inf if math.isnan(error) else error)  # max(0, nan) is 0
             correct += bool(np.allclose(got, want, rtol=RTOL, atol=ATOL))
     png, trace = output_files(out, config)
     result = DemoResult(config, wall, timeline.overlap(), correct, 2 * len(xs), worst, timeline)

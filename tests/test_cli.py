@@ -51,6 +51,32 @@ def test_the_demo_command_runs_and_checks_every_result(tmp_path):
         json.loads((tmp_path / f"trace-{slug}.json").read_text())
 
 
+def test_an_empty_out_is_a_usage_error_not_the_current_folder(tmp_path):
+    proc = demo("--device", "host", "--requests", "1", "--out", "", cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2 and "--out: empty" in proc.stderr, proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_outputs_that_are_nan_show_as_an_infinite_error(tmp_path):
+    """max(0.0, nan) is 0.0: a demo whose outputs were all NaN printed "max error 0.0e+00"
+    beside its 0/2 correct."""
+    script = (
+        "import sys, numpy as np\n"
+        "from streamlane.kernels import get_kernel\n"
+        "spec = get_kernel('gelu'); orig = spec.host\n"
+        "def nan(ins, outs, p):\n"
+        "    orig(ins, outs, p); outs[0][...] = np.nan\n"
+        "object.__setattr__(spec, 'host', nan)\n"
+        "from streamlane.sched.cli import main\n"
+        f"sys.exit(main(['demo', '--device', 'host', '--requests', '1', '--out', "
+        f"{str(tmp_path)!r}]))\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    rows = [line for line in proc.stdout.splitlines() if "0/2" in line]
+    assert len(rows) == 3 and all("inf" in row for row in rows), proc.stdout
+
+
 @pytest.mark.parametrize("count", ["0", "1025", "1000000000"])
 def test_the_demo_refuses_a_bad_request_count(count):
     proc = subprocess.run([sys.executable, "-m", "streamlane.sched", "demo", "--requests", count],
