@@ -54,6 +54,9 @@ class Timeline:
     def __init__(self, spans: Iterable[Span], device: str = ""):
         self._spans: tuple[Span, ...] = tuple(sorted(spans, key=lambda s: (s.start_s, s.job)))
         self._device = device
+        for s in self._spans:  # a negative duration has no union, no trace event, no bar
+            if s.end_s < s.start_s:
+                raise InvalidArgument(f"Timeline: {s} ends before it starts")
 
     def __reduce__(self) -> tuple[type[Timeline], tuple[tuple[Span, ...], str]]:
         return Timeline, (self._spans, self._device)  # every pickle protocol, and copy
@@ -75,10 +78,17 @@ class Timeline:
         return iter(self.spans)
 
     def tracks(self) -> list[str]:
-        """The rows: one per lane, plus one per caller stream used on a lane."""
+        """The rows: one per lane, plus one per caller stream used on a lane (by lane, then
+        by stream handle: 0x9 before 0x10)."""
         first = {}
         for s in self.spans:
-            first.setdefault(s.track, (s.lane, s.track != f"lane {s.lane}", s.track))
+            if s.track not in first:
+                caller = s.track != f"lane {s.lane}"
+                try:  # "lane 0 stream 0x10": the handle; a hand-made name sorts as written
+                    number = int(s.track.rpartition(" stream 0x")[2], 16) if caller else -1
+                except ValueError:
+                    number = -1
+                first[s.track] = (s.lane, caller, number, s.track)
         return [t for t, _ in sorted(first.items(), key=lambda kv: kv[1])]
 
     def busy_s(self) -> float:
@@ -166,13 +176,18 @@ class Timeline:
         ax.set_ylim(-0.6, max(0.6, len(tracks) - 0.4))
         ax.invert_yaxis()
         ax.set_xlabel("ms since the first job started")
-        ax.set_title(title or f"streamlane {self.device}: {len(self.spans)} jobs, "
-                              f"overlap {self.overlap():.2f}x")
+        # Plain text, as given: matplotlib reads "$...$" as mathtext ("$5 and $6" in italics,
+        # r"$\foo$" an error). title="" draws none.
+        ax.set_title(title if title is not None else
+                     f"streamlane {self.device}: {len(self.spans)} jobs, "
+                     f"overlap {self.overlap():.2f}x", parse_math=False)
         if names:
             from matplotlib.patches import Patch
 
-            ax.legend(handles=[Patch(color=colour[n], label=n) for n in names],
-                      loc="upper right", fontsize="small")
+            legend = ax.legend(handles=[Patch(color=colour[n], label=n) for n in names],
+                               loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
+            for text in legend.get_texts():
+                text.set_parse_math(False)
         fig.tight_layout()
         _write_file(path, lambda f: fig.savefig(f, format="png"))
         return path

@@ -219,6 +219,25 @@ def test_overlap_is_the_sum_of_durations_over_their_union():
     assert repr(t) == "<Timeline 3 jobs, 2 tracks, overlap 1.20x>"
 
 
+def test_a_span_that_ends_before_it_starts_is_refused():
+    """It gave a negative union, overlap 0.0 and a trace event of negative duration, which the
+    trace format has no meaning for."""
+    with pytest.raises(InvalidArgument, match="ends before it starts"):
+        Timeline([Span(0, "a", 0, "lane 0", 0.0, 1.0), Span(1, "b", 0, "lane 0", 2.0, 1.0)])
+    assert Timeline([Span(0, "a", 0, "lane 0", 1.0, 1.0)]).busy_s() == 0.0  # an instant is one
+
+
+def test_caller_stream_rows_go_by_handle_and_plot_text_is_plain(tmp_path):
+    """Rows were sorted by the handle as text (0x10 before 0x9); a title or job name holding
+    "$" was read as matplotlib mathtext (r"$\\foo$": a ParseFatalException)."""
+    t = Timeline([Span(i, name, 0, track, i, i + 1.0) for i, (name, track) in enumerate(
+        [("a", "lane 0 stream 0x10"), ("costs $5", "lane 0 stream 0x9"), ("a", "lane 0"),
+         (r"$\foo$", "lane 0 stream 0x9")])])
+    assert t.tracks() == ["lane 0", "lane 0 stream 0x9", "lane 0 stream 0x10"]
+    for title in (r"$\foo$", "cost $5 vs $6", "", None):
+        assert t.plot(tmp_path / "t.png", title=title).read_bytes()[:4] == b"\x89PNG"
+
+
 @pytest.mark.anyio
 async def test_the_trace_is_valid_json_with_one_track_per_lane_and_the_plot_is_a_png(
         device, tmp_path):
