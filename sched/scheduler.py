@@ -94,6 +94,8 @@ _RECOVER_AFTER_S = 0.1
 # Failed jobs whose error nobody has seen yet, kept for leaving to raise the first: the first
 # this many of them (a service whose clients give up on failed requests must not keep all).
 UNOBSERVED_KEPT = 32
+# The most lanes a scheduler starts (each is a lane thread and a waiter thread).
+MAX_LANES = 1024
 
 
 # How far _forget_locals looks: the frames that hold a job's inputs are streamlane's own,
@@ -228,6 +230,10 @@ class Scheduler:
                                  ("timeline_size", timeline_size, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise InvalidArgument(f"Scheduler: {name} must be an int >= {low}, got {value!r}")
+        if lanes > MAX_LANES:  # two threads each: 10**6 lanes took minutes before any error
+            raise InvalidArgument(f"Scheduler: lanes must be at most {MAX_LANES} (each is two "
+                                  f"host threads), got {lanes}; for wide overlap give jobs "
+                                  f"caller streams (submit(stream=...)) on fewer lanes")
         for name, value in (("spin_us", spin_us), ("poll_us", poll_us)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
                     0 <= value <= 1e6):
@@ -287,7 +293,8 @@ class Scheduler:
         before the cancellation propagates.
         """
         if self._state != _NEW:
-            raise InvalidState(f"{self!r} was already entered; create a new Scheduler")
+            done = "was closed" if self._state == _CLOSED else "was already entered"
+            raise InvalidState(f"{self!r} {done}; create a new Scheduler")
         self.waker = LoopWaker()
         self._state = _OPEN
         _open_schedulers.add(self)

@@ -543,6 +543,10 @@ async def test_submit_outside_the_context_raises(device):
             await sched.__aenter__()
     with pytest.raises(SchedulerClosed, match="closed"):
         await sched.submit(method, [data(0)])
+    never = Scheduler(device, lanes=1)
+    await never.aclose()  # closed before it was ever entered: it said "already entered"
+    with pytest.raises(InvalidState, match="was closed; create a new Scheduler"):
+        await never.__aenter__()
 
 
 async def test_bad_arguments_raise_invalid_argument(device):
@@ -591,6 +595,10 @@ async def test_bad_arguments_raise_invalid_argument(device):
             await sched.submit(print, [data(0)])
     with pytest.raises(InvalidArgument, match="lanes must be an int >= 1"):
         Scheduler(device, lanes=0)
+    start = time.perf_counter()  # 10**6 lanes ran for minutes in the constructor
+    with pytest.raises(InvalidArgument, match=r"lanes must be at most 1024 .*caller streams"):
+        Scheduler(device, lanes=10**6)
+    assert time.perf_counter() - start < 1
 
 
 async def test_reprs_show_state(device):
