@@ -208,7 +208,7 @@ class Scheduler:
     """Lanes (dedicated host threads) that run methods on a device, awaited from async code.
 
     ``device``: a Device or a name for ``get_device`` (default: auto). ``lanes``: how many lane
-    threads. ``queue_size``: the most jobs one lane holds, queued or in flight. ``timing``:
+    threads (1 to ``MAX_LANES``, 1024). ``queue_size``: the most jobs one lane holds, queued or in flight. ``timing``:
     record timing events around every job (``timeline()``, ``busy_time_s``); turn it off to
     shave two event records per job, and for overlap across more streams than the device has
     hardware queues (8 on CUDA by default): the timing event after a job holds up the streams
