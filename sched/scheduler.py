@@ -208,18 +208,19 @@ class Scheduler:
     """Lanes (dedicated host threads) that run methods on a device, awaited from async code.
 
     ``device``: a Device or a name for ``get_device`` (default: auto). ``lanes``: how many lane
-    threads (1 to ``MAX_LANES``, 1024). ``queue_size``: the most jobs one lane holds, queued or in flight. ``timing``:
-    record timing events around every job (``timeline()``, ``busy_time_s``); turn it off to
-    shave two event records per job, and for overlap across more streams than the device has
-    hardware queues (8 on CUDA by default): the timing event after a job holds up the streams
-    that share its queue (``TimingStallWarning`` says when). ``spin_us``: how long a waiter
-    polls an event before blocking on it. ``poll_us``: how long ``await job`` polls the job's
-    event on the event loop (yielding between queries) before waiting for the waiter's wakeup,
-    only while that job is the only one pending; 0 turns it off. ``inline``: let the event loop
-    thread enqueue a lone caller-stream job that cannot block itself instead of handing it to
-    the lane thread; False keeps every launch and execute off the loop thread (its remaining
-    driver calls, event queries and elapsed times, never wait). ``timeline_size``: how many
-    spans ``timeline()`` keeps: of those recorded last (as jobs settle), the latest submitted.
+    threads (1 to ``MAX_LANES``, 1024). ``queue_size``: the most jobs one lane holds, queued or
+    in flight. ``timing``: record timing events around every job (``timeline()``,
+    ``busy_time_s``); turn it off to shave two event records per job, and for overlap across
+    more streams than the device has hardware queues (8 on CUDA by default): the timing event
+    after a job holds up the streams that share its queue (``TimingStallWarning`` says when).
+    ``spin_us``: how long a waiter polls an event before blocking on it. ``poll_us``: how long
+    ``await job`` polls the job's event on the event loop (yielding between queries) before
+    waiting for the waiter's wakeup, only while that job is the only one pending; 0 turns it
+    off. ``inline``: let the event loop thread enqueue a lone caller-stream job that cannot
+    block itself instead of handing it to the lane thread; False keeps every launch and execute
+    off the loop thread (its remaining driver calls, event queries and elapsed times, never
+    wait). ``timeline_size``: how many spans ``timeline()`` keeps: of those recorded last (as
+    jobs settle), the latest submitted.
     """
 
     def __init__(self, device: Device | str | None = None, lanes: int = 2, *,
