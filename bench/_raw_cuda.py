@@ -5,6 +5,8 @@ NVRTC), no streamlane, no asyncio. Two kernels: ``twice`` (y = 2x, the 1-kernel 
 from __future__ import annotations
 
 import ctypes
+import statistics
+import time
 from typing import Any
 
 SOURCE = r"""
@@ -95,3 +97,22 @@ class RawCuda:
 
     def elapsed_ms(self, start: Any, end: Any) -> float:
         return float(self.check(self.cu.cuEventElapsedTime(start, end)))
+
+    def spin_walls(self, streams: list[Any], events: list[Any], n: int, parallel: bool,
+                   spin_us: float, reps: int, then: Any = None) -> float:
+        """The overlap benchmarks' raw peer: per stream (``streams[i]``, or ``streams[0]`` for
+        all when not ``parallel``) a spin, then ``then(stream)`` if given, then an event; then
+        wait for every event. The median host wall time of ``reps`` such rounds, seconds."""
+        walls = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            for i in range(n):
+                s = streams[i if parallel else 0]
+                self.spin(s, spin_us)
+                if then is not None:
+                    then(s)
+                self.record(events[i], s)
+            for i in range(n):
+                self.sync(events[i])
+            walls.append(time.perf_counter() - t)
+        return statistics.median(walls)

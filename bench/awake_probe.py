@@ -121,17 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         return statistics.median(walls[1:])
 
     def raw_wall(n: int, parallel: bool) -> float:
-        walls = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            for i in range(n):
-                s = raw_streams[i if parallel else 0]
-                raw.spin(s, spin_us)
-                raw.record(raw_events[i], s)
-            for i in range(n):
-                raw.sync(raw_events[i])
-            walls.append(time.perf_counter() - t)
-        return statistics.median(walls)
+        return raw.spin_walls(raw_streams, raw_events, n, parallel, spin_us, reps)
 
     rep = Report("awake-probe", dev, quick=False)
     samples: dict[tuple[int, str], list[float]] = {}

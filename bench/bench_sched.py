@@ -214,19 +214,8 @@ def bench_overlap(dev: Any, raw: Any, rep: Report, q: bool) -> None:
         """Raw cuda-python: per stream a spin (the program's work; with ``then_kernel`` also a
         1-float kernel after it, which waits for the spin: the hardware-queue trap), then an
         event; then wait for every event."""
-        walls = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            for i in range(n):
-                s = raw_streams[i if parallel else 0]
-                raw.spin(s, spin_us)
-                if then_kernel:
-                    raw.twice(s, xp, yp, 1)
-                raw.record(raw_events[i], s)
-            for i in range(n):
-                raw.sync(raw_events[i])
-            walls.append(time.perf_counter() - t)
-        return statistics.median(walls)
+        then = (lambda s: raw.twice(s, xp, yp, 1)) if then_kernel else None
+        return raw.spin_walls(raw_streams, raw_events, n, parallel, spin_us, reps, then)
 
     if raw is not None:
         raw_wall(2, True, True)  # warm
