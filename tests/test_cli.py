@@ -294,3 +294,28 @@ def test_a_standard_output_closed_from_the_start_runs_quietly(tmp_path):
                           stderr=subprocess.PIPE, text=True, timeout=120,
                           preexec_fn=lambda: os.close(1))
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_the_host_demo_runs_numpys_blas_on_one_thread_and_restores_it(tmp_path, monkeypatch):
+    """Each host stream is a worker thread; OpenBLAS's pool, called from several at once on a
+    loaded 2-core machine, stalled the caller-streams run for ~1.1 s in 3 runs of 10."""
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    from streamlane.sched import cli
+    from streamlane.sched import demo as demo_module
+
+    def blas_threads():
+        return [pool["num_threads"] for pool in threadpoolctl.threadpool_info()
+                if pool["user_api"] == "blas"]
+
+    before, during = blas_threads(), []
+    real = demo_module.run_demo
+
+    async def run_demo(*args, **kw):
+        during.extend(blas_threads())
+        return await real(*args, **kw)
+
+    monkeypatch.setattr(demo_module, "run_demo", run_demo)
+    assert cli.main(["demo", "--device", "host", "--requests", "1", "--out",
+                     str(tmp_path)]) == 0
+    assert during and set(during) == {1}
+    assert blas_threads() == before
