@@ -25,6 +25,8 @@ import anyio
 
 from streamlane.runtime.errors import InvalidArgument, InvalidState
 
+from .errors import DependencyFailed
+
 if TYPE_CHECKING:
     from collections.abc import Generator
 
@@ -245,8 +247,18 @@ class Job:
         self._observe()
         if not self._finished:
             raise InvalidState(f"{self!r} has not finished; await it first")
-        self._retrieved = True
+        self._seen()
         return self._error
+
+    def _seen(self) -> None:
+        """Its error reached the caller: leaving the scheduler need not raise it. Nor the
+        errors of the jobs a ``DependencyFailed`` goes back to: it carries them (its
+        ``__cause__``, and its message names the first)."""
+        self._retrieved = True
+        error = self._error
+        while isinstance(error, DependencyFailed) and error.dependency is not None:
+            error.dependency._retrieved = True
+            error = error.dependency._error
 
     async def wait(self) -> list[Result]:
         """``await job`` and ``await job.wait()`` are equivalent: wait until the device has
@@ -280,7 +292,7 @@ class Job:
                     self.lane.observe(self)  # posted (or cut short by a Ctrl-C): settled here
                 if not self._finished:
                     await self._wait_done()
-        self._retrieved = True
+        self._seen()
         if self._error is not None:  # each await adds only its own frames (as a Future)
             raise self._error.with_traceback(self._error_tb)
         assert self.results is not None

@@ -399,7 +399,13 @@ class Scheduler:
             if unobserved:
                 first = unobserved[0]
                 first._retrieved = True
-                raise first._error  # type: ignore[misc]
+                error = first._error
+                assert error is not None
+                note = (f"raised on leaving the scheduler: {first.label} failed and nobody "
+                        f"awaited it or called its exception()")
+                if note not in getattr(error, "__notes__", ()):
+                    error.add_note(note)
+                raise error
 
     def _recover(self, job: Job) -> None:
         """Settle ``job`` here if its settle callback was lost: an exception raised into the

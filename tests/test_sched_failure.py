@@ -270,11 +270,35 @@ async def test_an_output_of_a_job_the_device_failed_is_a_dependency_failure(host
 
 async def test_an_unobserved_failure_is_raised_on_exit(host):
     method = double_program().method("forward", device=host)
-    with pytest.raises(InvalidInput):
+    with pytest.raises(InvalidInput) as info:
         async with Scheduler(host, lanes=1) as sched:
             job = await sched.submit(method, [np.zeros((3, 3), np.float32)])
             await wait_until(job.done)
     assert job.state == "failed"
+    assert f"{job.label} failed and nobody awaited it" in "".join(info.value.__notes__)
+
+
+async def test_a_failure_seen_through_a_dependent_is_not_raised_again_on_exit(host):
+    """README's opening pattern: an encoder job with a bad input, its decoder after= it. The
+    caller handled the decoder's DependencyFailed (the encoder's error is its cause, named in
+    its message), and leaving raised the encoder's error again anyway, pointing at the
+    ``async with`` line."""
+    encoder = double_program().method("forward", device=host)
+    decoder = double_program().method("forward", device=host)
+    third = double_program().method("forward", device=host)
+    async with Scheduler(host, lanes=2) as sched:
+        enc = await sched.submit(encoder, [np.zeros((3, 3), np.float32)], lane=0)
+        dec = await sched.submit(decoder, [enc.outputs[0]], lane=1, after=[enc])
+        with pytest.raises(DependencyFailed) as info:
+            await sched.run(third, [dec.outputs[0]], lane=0, after=[dec])
+        assert isinstance(info.value.__cause__, DependencyFailed)  # the chain, seen whole
+    assert enc.state == dec.state == "failed"
+    with pytest.raises(DependencyFailed):  # a dependent nobody awaited still says so
+        async with Scheduler(host, lanes=1) as sched:
+            enc = await sched.submit(encoder, [np.zeros((3, 3), np.float32)])
+            dec = await sched.submit(decoder, [enc.outputs[0]])
+            await wait_until(dec.done)
+            assert isinstance(enc.exception(), InvalidInput)  # seen; its dependent's is not
 
 
 async def test_failed_jobs_nobody_looks_at_do_not_keep_their_inputs_or_pile_up(host):
