@@ -498,9 +498,12 @@ class Scheduler:
                 f"each job's execute runs, so a job's outputs could be overwritten before its "
                 f"await or a job reading them got to them. Make the method with "
                 f"clone_outputs=True (the default): outputs then take turns in two buffers")
-        if not isinstance(inputs, (list, tuple)):
-            raise InvalidArgument(f"submit({method.name}): inputs must be a list, got "
-                                  f"{type(inputs).__name__}")
+        if not isinstance(inputs, (list, tuple)):  # a JobOutputs (job.outputs) too
+            if not isinstance(inputs, Sequence) or isinstance(inputs, (str, bytes)):
+                raise InvalidArgument(f"submit({method.name}): inputs must be a list (or "
+                                      f"another sequence, such as job.outputs), got "
+                                      f"{type(inputs).__name__}")
+            inputs = list(inputs)
         # A Result passes as it is (the common case, checked without a call).
         values = [v if type(v) is Result and not v.view_only else
                   self._check_input(method, i, v) for i, v in enumerate(inputs)]

@@ -591,6 +591,11 @@ async def test_bad_arguments_raise_invalid_argument(device):
         assert isinstance(info.value, StreamClosed)  # as the runtime says it
         with pytest.raises(InvalidArgument, match="inputs must be a list"):
             await sched.submit(method, data(0))
+        with pytest.raises(InvalidArgument, match=r"inputs must be a list .*got str"):
+            await sched.submit(method, "x")
+        first = await sched.submit(method, [data(0)])  # job.outputs as they are (a Sequence,
+        chained = await sched.run(method, first.outputs)  # not a list) were refused
+        np.testing.assert_array_equal(chained[0].to_host(), 4 * data(0))
         with pytest.raises(InvalidArgument, match="takes a Method"):
             await sched.submit(print, [data(0)])
     with pytest.raises(InvalidArgument, match="lanes must be an int >= 1"):
