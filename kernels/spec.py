@@ -118,8 +118,9 @@ class KernelSpec:
         for key, p in self.params.items():
             if key not in given:
                 if p.default is None:
-                    raise KernelSpecError(f"params.{key}", f"a {p.kind.__name__} (required by "
-                                          f"{self.name})", None)
+                    article = "an" if p.kind is int else "a"
+                    raise KernelSpecError(f"params.{key}", f"{article} {p.kind.__name__} "
+                                          f"(required by {self.name})", None)
                 out[key] = p.default
                 continue
             given_value = value = given[key]

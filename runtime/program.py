@@ -315,6 +315,7 @@ class MethodBuilder:
             if not isinstance(decl, (tuple, list)) or len(decl) != 2:
                 raise InvalidProgram(where, "(dtype, shape)", decl)
             d, shape = decl
+            d = _dtype_given(d)
             given = _shape_given(shape)  # numpy integers too, as step(shape=) takes them
             item = {"name": k, "dtype": d, "shape": list(given) if given is not None else
                     list(shape) if isinstance(shape, (list, tuple)) else shape}
@@ -416,7 +417,7 @@ class MethodBuilder:
                 raise InvalidProgram(f"{where}[{j}]", "(name, dtype, shape)", out)
         self._parent._callables[name] = fn
         for oname, dtype, shape in outs:
-            self._declare(oname, dtype, tuple(shape))
+            self._declare(oname, _dtype_given(dtype), tuple(shape))
         self._steps.append({"callable": name, "in": list(ins), "out": [o[0] for o in outs]})
 
     def output(self, *names: str) -> None:
@@ -993,6 +994,18 @@ def _program_kernel(name: Any, where: str) -> KernelSpec:
         raise InvalidProgram(f"{where}.kernel", "a kernel of the library (" +
                              ", ".join(kernel_names(in_programs_only=True)) + ")", name)
     return spec
+
+
+def _dtype_given(dtype: Any) -> Any:
+    """A builder's dtype as its name: ``np.float32``, ``np.dtype("float32")`` and
+    ``ml_dtypes.bfloat16`` as ``"float32"`` / ``"bfloat16"``; anything else as given, for the
+    validator to report."""
+    if isinstance(dtype, str):
+        return dtype
+    try:
+        return dtype_name(dtype)
+    except (InvalidArgument, TypeError, ValueError):
+        return dtype
 
 
 def _shape_given(shape: Any) -> tuple[int, ...] | None:

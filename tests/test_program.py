@@ -1065,7 +1065,7 @@ def test_the_builder_takes_numpy_scalars_as_the_numbers_they_hold(tmp_path):
     from streamlane.runtime import get_device
 
     b = Program.build("p")
-    m = b.method("forward", x=("float32", (np.int64(4),)))
+    m = b.method("forward", x=(np.float32, (np.int64(4),)))  # numpy's dtypes too
     y = m.step("scale", "x", factor=np.float32(2))
     m.step("spin", us=np.int64(5))
     m.output(y)
@@ -1080,6 +1080,11 @@ def test_the_builder_takes_numpy_scalars_as_the_numbers_they_hold(tmp_path):
     for bad in (np.bool_(True), np.float32("nan")):
         with pytest.raises(InvalidProgram, match="factor"):
             Program.build("q").method("f", x=("float32", [4])).step("scale", "x", factor=bad)
+    q = Program.build("q").method("f", x=(np.dtype("float32"), [4]))
+    with pytest.raises(InvalidProgram, match=r"params\.us: expected an int \(required"):
+        q.step("spin")
+    with pytest.raises(InvalidProgram, match=r"inputs\[0\]\.dtype: expected one of"):
+        Program.build("r").method("f", x=(object, [4]))
 
 
 def test_the_builder_refuses_an_output_declared_twice():
