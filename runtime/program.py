@@ -628,8 +628,11 @@ def _read_npz(folder: Path, name: str, headers_only: bool = False) -> dict[str, 
     except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile, zlib.error,
             NotImplementedError, RuntimeError) as exc:  # NotImplemented: compression method;
         # RuntimeError: an encrypted member
-        raise InvalidProgram("constants", f"a readable .npz file {name}",
-                             f"{type(exc).__name__}: {exc}") from None
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else \
+            f"{type(exc).__name__}: {exc}"  # strerror: without a file descriptor's number
+        raise InvalidProgram("constants", f"a readable .npz file {name} (at "
+                             f"{os.path.abspath(path)})",
+                             why) from None
 
 
 def _open_without_waiting(path: Path, check: Callable[[int], None] | None = None) -> Any:

@@ -1019,6 +1019,16 @@ def test_a_manifest_path_that_is_a_fifo_nobody_writes_to_does_not_hang(tmp_path)
     assert list(program.methods) == ["forward"]
 
 
+def test_a_missing_constants_file_is_named_where_it_was_looked_for(tmp_path, monkeypatch):
+    """Loaded by a relative path, the error named "nope.npz" without the folder it looked in
+    (and "[Errno 2] ..." instead of the reason)."""
+    write(tmp_path, mutate(manifest(), ("constants",), "nope.npz"))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(InvalidProgram, match="No such file or directory") as info:
+        Program.load("p.json")
+    assert str(tmp_path / "nope.npz") in str(info.value) and "Errno" not in str(info.value)
+
+
 def test_a_path_holding_a_nul_is_invalid_argument():
     with pytest.raises(InvalidArgument, match="NUL"):
         Program.load("model\0.json")
