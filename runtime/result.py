@@ -389,6 +389,7 @@ def _dlpack(self: Result, *, stream: Any = None, max_version: Any = None,
         if wanted != _dlpack_device(self):
             raise InvalidArgument(f"Result on {self.device.name} cannot be exported to DLPack "
                                   f"device {wanted}; call to_host() first")
+    _check_dlpack_args(stream, max_version, copy)
     if copy and self.device.kind == "cuda":
         raise InvalidArgument("Result.__dlpack__(copy=True) is not supported on a GPU; export "
                               "it without a copy, or call to_host() for a host copy")
@@ -396,9 +397,6 @@ def _dlpack(self: Result, *, stream: Any = None, max_version: Any = None,
     from .dlpack import KDL_CPU, KDL_CUDA, export
 
     if self.device.kind != "cuda":
-        if stream is not None and (isinstance(stream, bool) or not isinstance(stream, int)):
-            raise InvalidArgument(f"__dlpack__(stream=...) takes None for host memory (or a "
-                                  f"stream handle, an int), got {stream!r}")
         if self.event is not None:
             self.event.synchronize()  # host consumers read at once
         view = _host_view(self, holder)
@@ -423,6 +421,26 @@ def _dlpack(self: Result, *, stream: Any = None, max_version: Any = None,
                   on_release=release)
 
 
+def _check_dlpack_args(stream: Any, max_version: Any, copy: Any) -> None:
+    """``__dlpack__``'s arguments as the protocol has them, on every device alike (the host
+    device took any int as a stream, where CUDA refuses it)."""
+    if stream is not None:
+        if isinstance(stream, bool) or not isinstance(stream, int) or stream < -1 \
+                or stream >= 1 << 64:
+            raise InvalidArgument(f"__dlpack__(stream=...) takes None, -1 or a stream handle "
+                                  f"(an int from 1), got {stream!r}")
+        if stream == 0:
+            raise InvalidArgument("__dlpack__(stream=0) is ambiguous by the DLPack protocol; "
+                                  "pass 1 (legacy) or 2 (per-thread)")
+    if max_version is not None and not (
+            isinstance(max_version, tuple) and len(max_version) == 2 and all(
+                isinstance(v, int) and not isinstance(v, bool) for v in max_version)):
+        raise InvalidArgument(f"__dlpack__(max_version=...) takes None or a (major, minor) "
+                              f"pair of ints, got {max_version!r}")
+    if copy is not None and not isinstance(copy, bool):
+        raise InvalidArgument(f"__dlpack__(copy=...) takes None, True or False, got {copy!r}")
+
+
 def _consumer_stream(self: Result, stream: Any) -> Stream | None:
     """Order the consumer's stream after this result; return it (None: unknown)."""
     if stream == -1 or self.event is None:
@@ -431,11 +449,6 @@ def _consumer_stream(self: Result, stream: Any) -> Stream | None:
         return None
     if stream is None:
         stream = 1  # DLPack: None means the legacy default stream on CUDA
-    if isinstance(stream, bool) or not isinstance(stream, int) or stream < 0:
-        raise InvalidArgument(f"__dlpack__(stream=...) takes a CUDA stream handle, got {stream!r}")
-    if stream == 0:
-        raise InvalidArgument("__dlpack__(stream=0) is ambiguous by the DLPack protocol; pass 1 "
-                              "(legacy) or 2 (per-thread)")
     consumer = self.device.stream_from_handle(stream)
     self.wait_on(consumer)
     return consumer

@@ -722,6 +722,23 @@ def test_host_bfloat16_exports_over_dlpack_with_its_own_code(host):
             r.__dlpack__(stream=bad)
 
 
+def test_dlpack_arguments_are_checked_alike_on_every_device(device):
+    """The host device took any int as a stream (-5, 0, 2**70), any max_version and a truthy
+    copy='yes', where CUDA refuses the streams: code that passed on the host device raised
+    on a GPU."""
+    r = Result.from_host(rand((2, 3)), device)
+    for bad in (-5, 0, 2**70, "x", 1.5, True):
+        with pytest.raises(InvalidArgument, match="stream"):
+            r.__dlpack__(stream=bad)
+    for bad in ("x", (1,), (True, 0), [1, 0]):
+        with pytest.raises(InvalidArgument, match="max_version"):
+            r.__dlpack__(max_version=bad)
+    with pytest.raises(InvalidArgument, match="copy"):
+        r.__dlpack__(copy="yes")
+    for ok in ({}, {"stream": -1}, {"max_version": (1, 0)}, {"copy": False}):
+        assert r.__dlpack__(**ok) is not None
+
+
 def test_from_host_rejects_unsupported_dtypes(device):
     with pytest.raises(InvalidArgument):
         Result.from_host(np.array(["a", "b"]), device)
