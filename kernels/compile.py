@@ -18,8 +18,11 @@ import functools
 import hashlib
 import os
 import re
+import stat
+import struct
 import tempfile
 import threading
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -45,6 +48,13 @@ _count_lock = threading.Lock()
 _ARCH = re.compile(r"sm_\d{2,3}[af]?")
 _KEY = re.compile(r"[0-9A-Za-z_.-]{1,128}")
 _RESERVED_OPTIONS = frozenset({"arch", "name"})
+_TRUE, _FALSE = frozenset({"true", "yes", "on"}), frozenset({"false", "no", "off"})
+# The largest cache entry read (a cubin of the library is ~10-100 KiB): anything bigger, or
+# not a regular file (a FIFO would block the read, /dev/zero never end), is a miss.
+MAX_ENTRY_BYTES = 64 << 20
+# Temp files older than this were left by a process killed mid-write: removed at a later put.
+STALE_TEMP_S = 3600.0
+_IMPORT_LOCK = threading.Lock()
 
 
 def compile_count() -> int:
@@ -86,7 +96,7 @@ def _parse_options(options: Sequence[str]) -> dict[str, Any]:
     """``("use_fast_math", "max_register_count=64", "std=c++20")`` as ProgramOptions kwargs.
 
     Each option names a ``cuda.core.ProgramOptions`` field; a bare name means True, a value
-    reads as true/false, an int, or else a string.
+    reads as true/yes/on or false/no/off (any case), an int, or else a string.
     """
     parsed: dict[str, Any] = {}
     for opt in options:
@@ -98,8 +108,8 @@ def _parse_options(options: Sequence[str]) -> dict[str, Any]:
         value: Any = True
         if sep:
             low = raw.lower()
-            if low in ("true", "false"):
-                value = low == "true"
+            if low in _TRUE or low in _FALSE:  # "no" and "off" were strings: truthy, so on
+                value = low in _TRUE
             else:
                 try:
                     value = int(raw)
@@ -128,16 +138,15 @@ def compile_source(source: str, entry: str, arch: str, options: Sequence[str] = 
     _check_arch(arch)
     kwargs = {"std": "c++17", **_parse_options(options), "arch": arch, "name": name}
     nvrtc_version()  # turns a missing library into NvrtcUnavailable, before anything else
-    from cuda.core import ProgramOptions
-
+    program_class, options_class = _cuda_core()
     try:
-        program_options = ProgramOptions(**kwargs)
+        program_options = options_class(**kwargs)
     except TypeError as exc:
         raise ValueError(f"unknown compile option in {tuple(options)!r}: {exc}") from None
     with _count_lock:
         nvrtc_compiles += 1
     try:
-        cubin = _run_nvrtc(source, program_options)
+        cubin = _run_nvrtc(program_class, source, program_options)
     except Exception as exc:
         # cuda.core's NVRTCError reads "<n>: NVRTC_ERROR_X, compilation log:\n\n<log>\0"; it
         # is not a public class, so it is recognised by its message.
@@ -148,16 +157,66 @@ def compile_source(source: str, entry: str, arch: str, options: Sequence[str] = 
         log = text.split("compilation log:", 1)[-1].strip().rstrip("\x00").strip()
         raise CompileError(name, log, code.group(0)) from exc
     # extern "C" keeps the entry's name verbatim in the ELF symbol table.
-    if entry.encode() not in cubin:
+    if not defines_entry(cubin, entry):
         raise CompileError(name, f"entry point {entry!r} is not defined by the source",
                            "ENTRY_NOT_FOUND")
     return cubin
 
 
-def _run_nvrtc(source: str, program_options: Any) -> bytes:
-    from cuda.core import Program
+@functools.cache
+def _cuda_core_classes() -> tuple[Any, Any]:
+    from cuda.core import Program, ProgramOptions
 
-    program = Program(source, "c++", program_options)
+    return Program, ProgramOptions
+
+
+def _cuda_core() -> tuple[Any, Any]:
+    """cuda.core's ``Program`` and ``ProgramOptions``, imported once, by one thread: cuda.core
+    (1.2) fills its namespace from a submodule while it imports, and a second thread
+    importing meanwhile saw it half made (``ImportError: cannot import name
+    'ProgramOptions'``, in 7 of 8 threads compiling at once in a fresh process)."""
+    with _IMPORT_LOCK:
+        try:
+            return _cuda_core_classes()
+        except ImportError as exc:
+            raise NvrtcUnavailable(f"cuda.core cannot be imported ({exc}); install "
+                                   f"cuda-core") from exc
+
+
+def defines_entry(cubin: bytes, entry: str) -> bool:
+    """Whether the ELF ``cubin`` defines the function ``entry`` (a global function symbol of
+    that exact name): not a substring of it, nor a string constant holding it."""
+    symbols = _elf_functions(cubin)
+    return symbols is not None and entry in symbols
+
+
+def _elf_functions(blob: bytes) -> set[str] | None:
+    """The names of the global and weak function symbols of a little-endian ELF64 file (a
+    cubin), or None if ``blob`` is not one that parses."""
+    try:
+        if blob[:6] != b"\x7fELF\x02\x01":
+            return None
+        shoff, = struct.unpack_from("<Q", blob, 0x28)
+        shentsize, shnum = struct.unpack_from("<HH", blob, 0x3A)
+        sections = [struct.unpack_from("<IIQQQQIIQQ", blob, shoff + i * shentsize)
+                    for i in range(shnum)]
+        names: set[str] = set()
+        for _, kind, _, _, offset, size, link, _, _, entsize in sections:
+            if kind != 2 or entsize < 24:  # SHT_SYMTAB, Elf64_Sym
+                continue
+            strtab = sections[link][4]
+            for j in range(size // entsize):
+                st_name, st_info = struct.unpack_from("<IB", blob, offset + j * entsize)
+                if st_info & 0xF == 2 and st_info >> 4 in (1, 2):  # STT_FUNC, global/weak
+                    start = strtab + st_name
+                    names.add(blob[start:blob.index(b"\0", start)].decode(errors="replace"))
+        return names
+    except (struct.error, IndexError, ValueError):
+        return None
+
+
+def _run_nvrtc(program_class: Any, source: str, program_options: Any) -> bytes:
+    program = program_class(source, "c++", program_options)
     try:
         return bytes(program.compile("cubin").code)
     finally:
@@ -168,7 +227,10 @@ def _run_nvrtc(source: str, program_options: Any) -> bytes:
 
 
 # -- the pure cache ------------------------------------------------------------------------------
-_MAGIC = b"streamlane-cache-1\n"
+# An entry: magic, its key's length (one byte) and the key, sha256 of the data, the data. The
+# key inside makes an entry renamed onto another key's name (a copied cache, an sm_80 cubin
+# under the sm_90 key) a miss; the digest, a damaged one.
+_MAGIC = b"streamlane-cache-2\n"
 _DIGEST = hashlib.sha256().digest_size
 
 
@@ -180,8 +242,12 @@ class DiskCache:
       same directory, is fsynced, then ``os.replace``d onto the final name (atomic). Two
       writers of one key, in threads or processes, never share a temp path; the last rename
       wins and both wrote the same bytes.
-    - a truncated, empty or otherwise corrupt file (checked by magic and sha256) is a miss:
-      it is rebuilt and overwritten, never returned and never an exception.
+    - a truncated, empty or otherwise corrupt file (checked by magic and sha256), an entry
+      of another key (the key is stored in it), or anything but a regular file of at most
+      ``MAX_ENTRY_BYTES`` (a FIFO, a link to ``/dev/zero``) is a miss: it is rebuilt and
+      overwritten, never returned, never read past the limit and never an exception.
+    - temp files a killed writer left behind are removed by a later ``put`` once they are
+      ``STALE_TEMP_S`` old.
     - within one instance, concurrent misses of one key build once (a lock per key).
     - failing to write the cache (read-only disk) only warns: the built bytes are returned.
     """
@@ -191,6 +257,7 @@ class DiskCache:
         self.suffix = suffix
         self._locks: dict[str, threading.Lock] = {}
         self._locks_lock = threading.Lock()
+        self._swept = False
 
     def path(self, key: str) -> Path:
         if not isinstance(key, str) or not _KEY.fullmatch(key):
@@ -198,16 +265,15 @@ class DiskCache:
         return self.directory / f"{key}{self.suffix}"
 
     def get(self, key: str) -> bytes | None:
-        """The stored bytes, or None on a miss (absent, unreadable or corrupt)."""
-        try:
-            blob = self.path(key).read_bytes()
-        except OSError:
-            return None
-        head = len(_MAGIC) + _DIGEST
-        if len(blob) < head or not blob.startswith(_MAGIC):
+        """The stored bytes, or None on a miss (absent, unreadable, corrupt, another key's,
+        or not a regular file within the size limit)."""
+        blob = _read_entry(self.path(key))
+        tag = _MAGIC + bytes([len(key)]) + key.encode()
+        head = len(tag) + _DIGEST
+        if blob is None or len(blob) < head or not blob.startswith(tag):
             return None
         data = blob[head:]
-        if hashlib.sha256(data).digest() != blob[len(_MAGIC):head]:
+        if hashlib.sha256(data).digest() != blob[len(tag):head]:
             return None
         return data
 
@@ -215,10 +281,15 @@ class DiskCache:
         """Store ``data`` under ``key`` atomically; returns the final path."""
         final = self.path(key)
         self.directory.mkdir(parents=True, exist_ok=True)
+        if not self._swept:
+            self._swept = True
+            self._sweep()
         fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f"{key}.", suffix=".tmp")
         try:
             with os.fdopen(fd, "wb") as f:
-                f.write(_MAGIC + hashlib.sha256(data).digest() + data)
+                os.fchmod(f.fileno(), 0o644)  # mkstemp's 0600 kept other users from hitting
+                f.write(_MAGIC + bytes([len(key)]) + key.encode() +
+                        hashlib.sha256(data).digest() + data)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, final)
@@ -228,14 +299,26 @@ class DiskCache:
             raise
         return final
 
-    def get_or_build(self, key: str, build: Callable[[], bytes]) -> bytes:
-        """The bytes under ``key``; on a miss, ``build()`` them and store them."""
+    def _sweep(self) -> None:
+        """Remove temp files of this cache that a killed writer left (``STALE_TEMP_S`` old)."""
+        cutoff = time.time() - STALE_TEMP_S
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(self.directory):
+                with contextlib.suppress(OSError):
+                    if entry.name.endswith(".tmp") and entry.is_file(follow_symlinks=False) \
+                            and entry.stat(follow_symlinks=False).st_mtime < cutoff:
+                        os.unlink(entry.path)
+
+    def get_or_build(self, key: str, build: Callable[[], bytes],
+                     valid: Callable[[bytes], bool] | None = None) -> bytes:
+        """The bytes under ``key``; on a miss, ``build()`` them and store them. ``valid``:
+        stored bytes it refuses count as a miss too."""
         data = self.get(key)
-        if data is not None:
+        if data is not None and (valid is None or valid(data)):
             return data
         with self._lock_for(key):
             data = self.get(key)  # another thread of this instance may have built it meanwhile
-            if data is not None:
+            if data is not None and (valid is None or valid(data)):
                 return data
             data = bytes(build())
             try:
@@ -250,13 +333,48 @@ class DiskCache:
             return self._locks.setdefault(key, threading.Lock())
 
 
+def _read_entry(path: Path) -> bytes | None:
+    """The bytes of ``path`` if it is a regular file of at most ``MAX_ENTRY_BYTES``, else None.
+    Opened without waiting (a FIFO nobody writes to would block the open) and checked before
+    reading (``/dev/zero`` never ends, a sparse file may claim gigabytes)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        return None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_ENTRY_BYTES:
+            return None
+        chunks, left = [], info.st_size
+        while left > 0:
+            chunk = os.read(fd, left)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
 # -- kernels on top of it ------------------------------------------------------------------------
 def default_cache_dir() -> Path:
-    """``$STREAMLANE_CACHE_DIR``, else ``~/.cache/streamlane/kernels``."""
+    """``$STREAMLANE_CACHE_DIR``, else ``~/.cache/streamlane/kernels``; where no home folder can
+    be found (no ``$HOME``, no passwd entry), a folder in the system's temp folder, with a
+    warning."""
     env = os.environ.get("STREAMLANE_CACHE_DIR")
-    if env:
-        return Path(env).expanduser()
-    return Path.home() / ".cache" / "streamlane" / "kernels"
+    try:
+        if env:
+            return Path(env).expanduser()
+        return Path.home() / ".cache" / "streamlane" / "kernels"
+    except RuntimeError as exc:  # pathlib: "Could not determine home directory."
+        fallback = Path(tempfile.gettempdir()) / f"streamlane-{os.getuid()}" / "kernels"
+        warnings.warn(f"kernel cache: {exc} (from {env or '~'}); using {fallback}; set "
+                      f"STREAMLANE_CACHE_DIR to choose the folder", RuntimeWarning,
+                      stacklevel=2)
+        return fallback
 
 
 class KernelCache:
@@ -284,7 +402,7 @@ class KernelCache:
         opts = sorted(options)
         for part in ("streamlane-kernel-1", spec.source, spec.entry, str(len(opts)), *opts,
                      arch, f"{major}.{minor}"):
-            raw = part.encode()
+            raw = part.encode("utf-8", "surrogatepass")  # a lone surrogate: NVRTC's to judge
             h.update(len(raw).to_bytes(8, "little") + raw)
         return h.hexdigest()
 
@@ -294,6 +412,7 @@ class KernelCache:
         cubin = self._memo.get(key)
         if cubin is None:
             cubin = self.disk.get_or_build(
-                key, lambda: compile_source(spec.source, spec.entry, arch, options, spec.name))
+                key, lambda: compile_source(spec.source, spec.entry, arch, options, spec.name),
+                valid=lambda blob: defines_entry(blob, spec.entry))
             self._memo[key] = cubin
         return cubin

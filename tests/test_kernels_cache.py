@@ -241,3 +241,100 @@ def test_missing_entry_is_a_compile_error(nvrtc, tmp_path):
     with pytest.raises(K.CompileError) as info:
         K.KernelCache(tmp_path).get_or_compile(wrong, ARCH)
     assert info.value.code == "ENTRY_NOT_FOUND" and "sl_nowhere" in info.value.log
+
+
+# -- found by a review of the cache (each failed on the code before it) -------------------------
+def test_an_entry_renamed_onto_another_key_is_a_miss(tmp_path):
+    """The header's digest proved an entry whole, not that it was this key's: a copied or
+    renamed entry (an sm_80 cubin under the sm_90 key) was served as it."""
+    cache = K.DiskCache(tmp_path)
+    cache.put("a", b"the bytes of a")
+    os.replace(cache.path("a"), cache.path("b"))
+    assert cache.get("b") is None
+    assert cache.get_or_build("b", lambda: b"b's own") == b"b's own"
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero", "huge"])
+def test_an_entry_that_is_not_a_small_regular_file_is_a_miss_without_reading_it(tmp_path, kind):
+    """A FIFO blocked the read forever, a link to /dev/zero read until memory ran out, a
+    sparse 3 GiB file was read whole before it was found wrong."""
+    cache = K.DiskCache(tmp_path)
+    path = cache.path("k")
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "dev-zero":
+        if not os.path.exists("/dev/zero"):
+            pytest.skip("no /dev/zero")
+        os.symlink("/dev/zero", path)
+    else:
+        with open(path, "wb") as f:
+            f.truncate(compile_mod.MAX_ENTRY_BYTES + 1)
+    start = time.perf_counter()
+    assert cache.get("k") is None
+    assert time.perf_counter() - start < 5
+
+
+def test_temp_files_a_killed_writer_left_are_swept_once_stale(tmp_path):
+    stale, fresh = tmp_path / "k.abc.tmp", tmp_path / "k.def.tmp"
+    stale.write_bytes(b"half")
+    fresh.write_bytes(b"being written")
+    old = time.time() - compile_mod.STALE_TEMP_S - 10
+    os.utime(stale, (old, old))
+    K.DiskCache(tmp_path).put("k", b"data")
+    assert not stale.exists() and fresh.exists()
+    assert os.stat(K.DiskCache(tmp_path).path("k")).st_mode & 0o044 == 0o044  # others may hit
+
+
+def test_an_unresolvable_home_falls_back_to_a_temp_folder_with_a_warning(monkeypatch):
+    monkeypatch.setenv("STREAMLANE_CACHE_DIR", "~no_such_user_here/cache")
+    with pytest.warns(RuntimeWarning, match="STREAMLANE_CACHE_DIR"):
+        folder = K.default_cache_dir()
+    assert str(folder).startswith(tempfile.gettempdir())
+
+
+def test_boolean_option_words_mean_what_they_say():
+    """use_fast_math=no was the string "no", truthy, so the option went on."""
+    for word, value in (("no", False), ("OFF", False), ("false", False), ("yes", True),
+                        ("On", True), ("true", True)):
+        assert compile_mod._parse_options((f"use_fast_math={word}",)) == {
+            "use_fast_math": value}
+    assert compile_mod._parse_options(("max_register_count=1",)) == {"max_register_count": 1}
+
+
+def test_the_entry_is_looked_up_among_the_function_symbols(nvrtc, tmp_path):
+    """The check was a substring of the cubin: "sl_ad" passed for sl_add, and so did a name
+    held only by a string constant."""
+    add = K.get_kernel("add")
+    for entry in ("sl_ad", "sl_ghost"):
+        spec = dataclasses.replace(add, entry=entry, source=add.source +
+                                   '\n__device__ const char tag[] = "sl_ghost";\n')
+        with pytest.raises(K.CompileError) as info:
+            K.KernelCache(tmp_path).get_or_compile(spec, ARCH)
+        assert info.value.code == "ENTRY_NOT_FOUND"
+    cache = K.KernelCache(tmp_path)
+    good = cache.get_or_compile(add, ARCH)
+    assert compile_mod.defines_entry(good, "sl_add") and not compile_mod.defines_entry(
+        good, "sl_ad")
+    # an entry whose bytes are whole but are not this kernel is compiled again
+    cache.disk.put(cache.key(add, ARCH), b"\x7fELF but not a cubin")
+    assert K.KernelCache(tmp_path).get_or_compile(add, ARCH) == good
+
+
+def test_threads_compiling_at_once_in_a_fresh_process_all_succeed(nvrtc, tmp_path):
+    """cuda.core fills its namespace from a submodule while it imports: threads importing it
+    at once saw it half made (ImportError: cannot import name 'ProgramOptions', 7 of 8)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, threading, streamlane.kernels as K\n"
+        "errors = []\n"
+        "def work(name):\n"
+        "    try: K.KernelCache(sys.argv[1]).get_or_compile(K.get_kernel(name), 'sm_90')\n"
+        "    except Exception as exc: errors.append(repr(exc))\n"
+        "threads = [threading.Thread(target=work, args=(n,)) for n in K.kernel_names()[:8]]\n"
+        "[t.start() for t in threads]; [t.join() for t in threads]\n"
+        "print(errors); sys.exit(1 if errors else 0)\n")
+    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
