@@ -198,10 +198,14 @@ class HostDevice(Device):
         event.recorded = True
 
     def _event_query(self, event: Event) -> bool:
+        if not event.recorded:  # complete, touching nothing (as on CUDA: no driver call)
+            return True
         self._raise_if_faulted()
         return event._impl.marker.done.is_set()
 
     def _event_synchronize(self, event: Event) -> None:
+        if not event.recorded:  # nothing to wait for: no host wait counted (as on CUDA)
+            return
         self._count_wait()
         self._wait_marker(event._impl.marker)
 

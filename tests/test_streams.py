@@ -258,6 +258,24 @@ def test_caller_stream_rejects_non_streams():
 def test_event_never_recorded_counts_as_complete(device):
     e = device.create_event()
     assert e.query()
+    before = device.stats.snapshot().host_waits
+    e.synchronize()  # nothing to wait for: no host wait (the host device counted one)
+    assert device.stats.snapshot().host_waits == before
+
+
+def test_a_never_recorded_event_stays_complete_after_a_fault():
+    """On CUDA a never-recorded event is complete without a driver call, even once the
+    context has faulted; the host device raised its fault from query() and synchronize()."""
+    from streamlane.runtime.host import HostDevice
+
+    dev = HostDevice()  # its own: a fault is for good
+    s = dev.create_stream()
+    dev.inject_failure(s)
+    with pytest.raises(DeviceError):
+        s.synchronize()
+    e = dev.create_event()
+    assert e.query()
+    e.synchronize()
 
 
 def test_event_record_query_wait_and_elapsed(device):
