@@ -702,12 +702,14 @@ class _BoundLaunch:
     slots, scalars written once, pointers per call, and the driver gets the block's address:
     no per-launch conversion of a (values, types) tuple. Not thread-safe (see ``bind``)."""
 
-    __slots__ = ("_addr", "_args", "_argv", "_device", "_fn", "_head", "_n_ptrs", "_prepared")
+    __slots__ = ("_addr", "_args", "_argv", "_device", "_fn", "_head", "_n_in", "_n_ptrs",
+                 "_prepared")
 
     def __init__(self, device: CudaDevice, prepared: PreparedLaunch, plan: tuple[Any, ...]):
         fn, gx, gy, gz, bx, by, bz, shared, scalars, types = plan
         self._device, self._prepared = device, prepared
         self._n_ptrs = n_ptrs = len(types) - len(scalars)
+        self._n_in = prepared.spec.n_in  # the split is checked too, as the host device does
         self._args = args = (ctypes.c_uint64 * max(len(types), 1))()
         base = ctypes.addressof(args)
         for i, (value, ctype) in enumerate(zip(scalars, types[n_ptrs:], strict=True)):
@@ -726,7 +728,7 @@ class _BoundLaunch:
         device = self._device
         if _bound.context is not device._context:
             device._make_current()
-        if len(ins) + len(outs) != self._n_ptrs:
+        if len(ins) != self._n_in or len(ins) + len(outs) != self._n_ptrs:
             raise arity_error(self._prepared, ins, outs)
         args = self._args
         i = 0

@@ -582,6 +582,7 @@ def test_device_calls_refuse_arguments_of_the_wrong_kind(device):
                  lambda: device.wrap_stream(Raising()),
                  lambda: prepared.run(s, [a, a], [o]),  # arity: the kernel would misread
                  lambda: prepared.bind()(s, [a, a], [o]),
+                 lambda: prepared.bind()(s, [a, o], []),  # the right count, the wrong split
                  lambda: prepared.run(s, [big], [big]),  # shapes it was not prepared for
                  lambda: device.prepare("add", [(2,), (2,)]).run(s, [a], [o])):
         with pytest.raises(InvalidArgument):
