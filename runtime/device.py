@@ -217,6 +217,10 @@ class Device(ABC):
         self._check_array(src, "src")
         if dst.nbytes != src.nbytes:
             raise InvalidArgument(f"copy: {src.nbytes} B into {dst.nbytes} B")
+        if dst.ptr < src.ptr + src.nbytes and src.ptr < dst.ptr + dst.nbytes:
+            raise InvalidArgument("copy: the source and destination overlap; a device copy of "
+                                  "overlapping memory is undefined on CUDA (copy through a "
+                                  "temporary array)")
         self._copy_d2d(dst, src, self._stream_impl(stream, "copy"))
 
     def to_device(self, array: Any, stream: Stream) -> DeviceArray:

@@ -552,6 +552,7 @@ def test_device_calls_refuse_arguments_of_the_wrong_kind(device):
     o = device.empty((2,), "float32", s)
     prepared = device.prepare("relu", [(2,)])
     big = device.empty((1024,), "float32", s)
+    wide = device.empty((4,), "float32", s)
 
     class Raising:
         @property
@@ -583,6 +584,9 @@ def test_device_calls_refuse_arguments_of_the_wrong_kind(device):
                  lambda: prepared.run(s, [a, a], [o]),  # arity: the kernel would misread
                  lambda: prepared.bind()(s, [a, a], [o]),
                  lambda: prepared.bind()(s, [a, o], []),  # the right count, the wrong split
+                 lambda: device.copy(a, a, s),  # overlapping: undefined on CUDA
+                 lambda: device.copy(wide.buffer.view("float32", (2,), 4),
+                                     wide.buffer.view("float32", (2,), 0), s),
                  lambda: prepared.run(s, [big], [big]),  # shapes it was not prepared for
                  lambda: device.prepare("add", [(2,), (2,)]).run(s, [a], [o])):
         with pytest.raises(InvalidArgument):
