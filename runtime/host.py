@@ -48,6 +48,7 @@ class _Worker:
         self.device = device
         self.queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self.stopped = False
+        self.drained = threading.Event()  # set when its thread has run everything and ends
         self._lock = threading.Lock()  # put() and stop(): nothing lands behind the sentinel
         self.thread = threading.Thread(target=self._run, name=f"streamlane-host-{name}",
                                        daemon=True)
@@ -70,11 +71,14 @@ class _Worker:
 
     def _run(self) -> None:
         device = self.device
-        while (item := self.queue.get()) is not None:
-            try:
-                item()
-            except BaseException as exc:  # the emulated device faults; it never dies silently
-                device._fault(exc)
+        try:
+            while (item := self.queue.get()) is not None:
+                try:
+                    item()
+                except BaseException as exc:  # the emulated device faults; never silently
+                    device._fault(exc)
+        finally:
+            self.drained.set()
 
 
 class _Marker:
@@ -103,11 +107,21 @@ class _HostEvent:
 
 
 class _ThreadStream:
-    """Holder in a thread-local: when the thread ends, the holder dies and its worker stops."""
+    """Holder in a thread-local: when the thread ends, the holder dies, and the thread's
+    stream is drained before the thread is done (its ``join`` returns after the queued work,
+    as CUDA's per-thread stream is drained at a thread's end: ``cuda._PerThreadStream``)."""
 
     def __init__(self, stream: Stream, worker: _Worker):
         self.stream = stream
-        weakref.finalize(self, worker.stop)
+        weakref.finalize(self, _drain, worker)
+
+
+def _drain(worker: _Worker) -> None:
+    worker.stop()
+    # Its own event, not Thread.join(): this runs as the thread is torn down, where join()'s
+    # current_thread() would register a dummy thread that stays in threading.enumerate().
+    if worker.thread.ident != threading.get_ident():
+        worker.drained.wait()
 
 
 class HostDevice(Device):
@@ -280,8 +294,18 @@ class HostDevice(Device):
         stream_impl.put(lambda: np.copyto(view, snapshot))
 
     def _copy_d2h(self, dst: np.ndarray, src: DeviceArray, stream_impl: _Worker) -> None:
+        """Returns once the copy is done, as CUDA's copy into pageable (numpy) memory does:
+        code tested here must not count on it returning while the stream is held (a latch).
+        Not counted in ``host_waits`` (no caller asked for the wait; as on CUDA)."""
         view = self.view(src)
-        stream_impl.put(lambda: np.copyto(dst, view))
+        marker = _Marker()
+
+        def copy() -> None:
+            np.copyto(dst, view)
+            marker.reach()
+
+        stream_impl.put(copy)
+        self._wait_marker(marker)
 
     def _copy_d2d(self, dst: DeviceArray, src: DeviceArray, stream_impl: _Worker) -> None:
         d = dst.buffer._impl[dst.offset:dst.offset + dst.nbytes]

@@ -263,19 +263,19 @@ def test_event_never_recorded_counts_as_complete(device):
     assert device.stats.snapshot().host_waits == before
 
 
-def test_a_never_recorded_event_stays_complete_after_a_fault():
+def test_a_never_recorded_event_stays_complete_after_a_fault(host):
     """On CUDA a never-recorded event is complete without a driver call, even once the
     context has faulted; the host device raised its fault from query() and synchronize()."""
-    from streamlane.runtime.host import HostDevice
-
-    dev = HostDevice()  # its own: a fault is for good
-    s = dev.create_stream()
-    dev.inject_failure(s)
-    with pytest.raises(DeviceError):
-        s.synchronize()
-    e = dev.create_event()
-    assert e.query()
-    e.synchronize()
+    try:
+        with host.create_stream() as s:
+            host.inject_failure(s)
+            with pytest.raises(DeviceError):
+                s.synchronize()
+            e = host.create_event()
+            assert e.query()
+            e.synchronize()
+    finally:
+        host.reset_error()
 
 
 def test_event_record_query_wait_and_elapsed(device):
@@ -668,3 +668,40 @@ def test_host_stream_work_given_as_it_stops_runs_or_is_refused(host):
         sys.settrace(None)
     stopper.join(5)
     assert ran.wait(5), "work queued behind the stream's end never ran"
+
+
+def test_the_host_device_waits_where_cuda_waits(host):
+    """Two waits CUDA makes that the host device did not, so code tested here could hang on
+    a GPU: a copy into numpy (pageable) memory returns once the copy is done, and a thread's
+    end drains its per-thread stream (its join returns after the work)."""
+    x = host.to_device(np.arange(4, dtype=np.float32), host.per_thread_stream())
+    out = np.zeros(4, np.float32)
+    with host.create_stream() as s, host.create_latch() as latch:
+        latch.hold(s)
+        copier = threading.Thread(target=host.copy_to_host, args=(out, x, s))
+        copier.start()
+        copier.join(0.3)
+        assert copier.is_alive(), "copy_to_host returned while its stream was held"
+        latch.release()
+        copier.join(10)
+        assert not copier.is_alive()
+        np.testing.assert_array_equal(out, np.arange(4, dtype=np.float32))
+    with host.create_latch() as latch:
+        latch.hold(host.per_thread_stream())
+        ready = host.per_thread_stream().record()
+        done = []
+
+        def enqueue_and_exit():
+            t = host.per_thread_stream()
+            t.wait(ready)
+            host.launch("scale", t, [x], [x], {"factor": 2.0})
+            done.append(t.record())
+
+        thread = threading.Thread(target=enqueue_and_exit)
+        threading.Timer(0.3, latch.release).start()
+        start = time.perf_counter()
+        thread.start()
+        thread.join(30)
+        assert not thread.is_alive() and time.perf_counter() - start >= 0.25, \
+            "the thread ended before its stream drained"
+        assert done[0].query()
