@@ -7,6 +7,7 @@ check and every error message, so the backends stay small and behave alike on ba
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import threading
@@ -317,7 +318,7 @@ class Device(ABC):
 
     def _enqueue_callable(self, stream_impl: Any, stream: Stream, fn: Any,
                           ins: Sequence[DeviceArray], outs: Sequence[DeviceArray]) -> None:
-        fn(stream, list(ins), list(outs))
+        check_step_result(fn, fn(stream, list(ins), list(outs)))
 
     def create_latch(self) -> Latch:
         """A latch: ``hold(stream)`` blocks that stream on the device until ``release()``."""
@@ -525,6 +526,18 @@ def _check_params(params: Any, kernel: str) -> None:
 _devices: dict[str, Device] = {}
 _devices_lock = threading.Lock()
 BACKENDS = ("auto", "host", "cuda", "cuda:N")
+
+
+def check_step_result(fn: Any, result: Any) -> None:
+    """A callable step returns nothing that matters, but an awaitable means its work never
+    ran (an ``async def`` called, not awaited: its outputs would be left unwritten)."""
+    if inspect.isawaitable(result):
+        close = getattr(result, "close", None)
+        if close is not None:
+            close()  # no "never awaited" warning on top of this error
+        raise InvalidArgument(f"the callable step {getattr(fn, '__name__', fn)!r} returned an "
+                              f"awaitable: a step runs synchronously and must enqueue its work "
+                              f"before it returns (an async def is not a step)")
 
 
 def is_auto(name: object) -> bool:

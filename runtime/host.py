@@ -27,8 +27,8 @@ import numpy as np
 
 from streamlane.kernels import KernelSpec
 
-from .device import Device, PreparedLaunch
-from .errors import DeviceError, InvalidArgument, StreamClosed
+from .device import Device, PreparedLaunch, check_step_result
+from .errors import DeviceError, InvalidArgument, InvalidState, StreamClosed
 from .event import Event
 from .memory import DeviceArray
 from .stream import LEGACY, LEGACY_HANDLE, PER_THREAD, PER_THREAD_HANDLE, Stream
@@ -84,11 +84,12 @@ class _Worker:
 class _Marker:
     """One record of a host event: set when its stream reaches it."""
 
-    __slots__ = ("done", "time_ns")
+    __slots__ = ("done", "time_ns", "worker")
 
-    def __init__(self) -> None:
+    def __init__(self, worker: _Worker | None = None) -> None:
         self.done = threading.Event()
         self.time_ns = 0
+        self.worker = worker  # the stream it was put on (None: the complete marker)
 
     def reach(self) -> None:
         self.time_ns = time.perf_counter_ns()
@@ -104,6 +105,9 @@ class _HostEvent:
 
     def __init__(self) -> None:
         self.marker = _COMPLETE  # never recorded: complete, as in CUDA
+
+
+_FAULT = "host device fault: {exc!r}; the device is unusable until the process restarts"
 
 
 class _ThreadStream:
@@ -191,9 +195,12 @@ class HostDevice(Device):
         return worker
 
     def _stream_synchronize(self, impl: _Worker) -> None:
-        marker = _Marker()
-        impl.put(marker.reach)
         self._count_wait()
+        if impl.thread.ident == threading.get_ident():  # a callable step waiting for its own
+            self._raise_if_faulted()  # stream: all before it has run (on CUDA it would wait
+            return  # for those steps); a marker put behind it would never be reached
+        marker = _Marker(impl)
+        impl.put(marker.reach)
         self._wait_marker(marker)
 
     def _stream_wait(self, impl: _Worker, event: Event) -> None:
@@ -206,7 +213,7 @@ class HostDevice(Device):
         return _HostEvent()
 
     def _record(self, event: Event, stream_impl: _Worker) -> None:
-        marker = _Marker()
+        marker = _Marker(stream_impl)
         stream_impl.put(marker.reach)  # first: a record that fails leaves the event as it was
         event._impl.marker = marker  # (as on CUDA), not waiting for a marker nothing reaches
         event.recorded = True
@@ -252,18 +259,28 @@ class HostDevice(Device):
                 self._raise_if_faulted()
 
     def _wait_marker(self, marker: _Marker) -> None:
+        worker = marker.worker
+        if worker is not None and worker.thread.ident == threading.get_ident() \
+                and not marker.done.is_set():
+            raise InvalidState(
+                "a callable step waited for an event recorded on its own stream after it: on "
+                "the host device that stream runs the step, so the event cannot be reached "
+                "until the step returns. Wait for events recorded before the step, or after "
+                "the execute")
         while not marker.done.wait(0.05):
             self._raise_if_faulted()
         self._raise_if_faulted()
 
     def _fault(self, exc: BaseException) -> None:
         if self._error is None:
-            self._error = DeviceError(f"host device fault: {exc!r}; the device is unusable "
-                                      f"until the process restarts", "HOST_DEVICE_FAULT")
+            self._error = DeviceError(_FAULT.format(exc=exc), "HOST_DEVICE_FAULT")
+            self._error.__cause__ = exc  # what the step raised, traceback and all
 
     def _raise_if_faulted(self) -> None:
-        if self._error is not None:
-            raise self._error
+        error = self._error
+        if error is not None:  # a new one each time: one raised again and again grew its
+            cause = error.__cause__  # traceback and kept every caller's frame alive
+            raise DeviceError(_FAULT.format(exc=cause), error.code) from cause
 
     # -- memory -------------------------------------------------------------------------------
     def _alloc(self, nbytes: int, stream_impl: Any) -> tuple[int, Any]:
@@ -298,7 +315,7 @@ class HostDevice(Device):
         code tested here must not count on it returning while the stream is held (a latch).
         Not counted in ``host_waits`` (no caller asked for the wait; as on CUDA)."""
         view = self.view(src)
-        marker = _Marker()
+        marker = _Marker(stream_impl)
 
         def copy() -> None:
             np.copyto(dst, view)
@@ -337,12 +354,25 @@ class HostDevice(Device):
 
     def _enqueue_callable(self, stream_impl: _Worker, stream: Stream, fn: Any,
                           ins: Sequence[DeviceArray], outs: Sequence[DeviceArray]) -> None:
-        in_views = [self.view(a) for a in ins]
+        """The step runs on the stream's worker, in stream order. It is handed a Stream that
+        thread may use: the caller's per-thread Stream refuses every thread but its owner's,
+        so a step touching it (``record()``) faulted the device where CUDA runs it. Inputs
+        are read-only views (they may be constants, or another method's Result)."""
+        in_views = []
+        for a in ins:
+            view = self.view(a)[...]  # a view of its own, so the flag stays with the step
+            view.flags.writeable = False
+            in_views.append(view)
         out_views = [self.view(a) for a in outs]
+        handed = stream
+        if stream.owner_thread is not None:  # a per-thread stream: the same queue, usable
+            handed = Stream(self, stream.kind, stream.handle, stream_impl,  # by its worker
+                            owner_thread=stream_impl.thread.ident)
+            handed.key = stream.key
 
         def run() -> None:
             if self._error is None:
-                fn(stream, in_views, out_views)
+                check_step_result(fn, fn(handed, in_views, out_views))
 
         stream_impl.put(run)
 

@@ -5,6 +5,7 @@ of argument, such as ``Program.load(123)``, is an ``InvalidArgument``)."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
@@ -393,6 +394,19 @@ class MethodBuilder:
         if not callable(fn):
             raise InvalidProgram(f"{step}.callable", "a callable fn(stream, ins, outs)",
                                  type(fn).__name__)
+        if inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn) or \
+                inspect.isgeneratorfunction(fn):  # called, it would return without running
+            raise InvalidProgram(f"{step}.callable", "a plain function fn(stream, ins, outs) "
+                                 "that enqueues its work before it returns (not an async def "
+                                 "or a generator)", getattr(fn, "__name__", fn))
+        try:
+            inspect.signature(fn).bind(None, [], [])
+        except TypeError:
+            raise InvalidProgram(f"{step}.callable", "a callable taking (stream, ins, outs)",
+                                 f"{getattr(fn, '__name__', fn)}"
+                                 f"{inspect.signature(fn)}") from None
+        except ValueError:  # no signature to read (some builtins): it is called as it is
+            pass
         if not isinstance(ins, (list, tuple)):
             raise InvalidProgram(f"{step}.in", "a list of tensor names", ins)
         for j, n in enumerate(ins):  # checked before the builder changes (as step() does)
@@ -411,13 +425,24 @@ class MethodBuilder:
         where = f"{step}.out"
         if not isinstance(outs, (list, tuple)):
             raise InvalidProgram(where, "a list of (name, dtype, shape) outputs", outs)
-        for j, out in enumerate(outs):
-            if not isinstance(out, (list, tuple)) or len(out) != 3 or not isinstance(
-                    out[2], (list, tuple)):
+        declared = []
+        for j, out in enumerate(outs):  # all checked before the builder changes
+            if not isinstance(out, (list, tuple)) or len(out) != 3:
                 raise InvalidProgram(f"{where}[{j}]", "(name, dtype, shape)", out)
+            oname, dtype, shape = out
+            given = _shape_given(shape)
+            item = {"name": oname, "dtype": _dtype_given(dtype),
+                    "shape": list(given) if given is not None else shape}
+            _Validator({}, {}, {})._tensor(item, f"{where}[{j}]")  # as a manifest's buffer
+            known = self._known(oname)
+            if known is not None and known != (item["dtype"], tuple(item["shape"])):
+                raise InvalidProgram(f"{where}[{j}]", f"{oname!r} as declared before: "
+                                     f"{known[0]}{list(known[1])}",
+                                     f"{item['dtype']}{item['shape']}")
+            declared.append(item)
         self._parent._callables[name] = fn
-        for oname, dtype, shape in outs:
-            self._declare(oname, _dtype_given(dtype), tuple(shape))
+        for item in declared:
+            self._declare(item["name"], item["dtype"], tuple(item["shape"]))
         self._steps.append({"callable": name, "in": list(ins), "out": [o[0] for o in outs]})
 
     def output(self, *names: str) -> None:

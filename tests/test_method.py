@@ -15,6 +15,7 @@ from streamlane.runtime.errors import (
     DeviceError,
     InvalidArgument,
     InvalidInput,
+    InvalidProgram,
     InvalidState,
     NotSupported,
 )
@@ -869,3 +870,146 @@ def test_a_caller_stream_closed_by_another_thread_before_the_last_record_hangs_n
     thread.join(10)
     assert not thread.is_alive(), "the next execute waited for an event nothing will reach"
     check(p, [x], [Result.from_host(result[0], host)])
+
+
+# -- callable steps, from a review (each failed on the code before it) ------------------------
+def _one_call(fn, outs=(("y", "float32", [4]),)):
+    b = Program.build("p")
+    m = b.method("f", x=("float32", [4]))
+    m.call(fn, ["x"], list(outs))
+    m.output(outs[0][0])
+    return b.finish()
+
+
+def test_a_callable_step_may_use_the_stream_it_is_handed(device):
+    """On the host device the step ran on the stream's worker but was handed the caller's
+    per-thread Stream, which refuses other threads: s.record() faulted the device. And
+    s.synchronize() inside a step hung (a marker behind the running step)."""
+    x = np.arange(4, dtype=np.float32)
+
+    def record_then_double(s, ins, outs):
+        s.record()
+        if device.kind == "host":
+            s.synchronize()  # what ran before the step is done: returns at once
+            outs[0][...] = ins[0] * 2
+
+    if device.kind != "host":
+        pytest.skip("the step's work is numpy here; on CUDA a step enqueues device work")
+    method = _one_call(record_then_double).method("f", device=device)
+    np.testing.assert_array_equal(method([x])[0].to_host(), 2 * x)
+    with device.create_stream() as s, CallerStream(s):
+        np.testing.assert_array_equal(method([x])[0].to_host(), 2 * x)
+    assert not device.lost
+
+
+def test_a_step_waiting_for_an_event_after_it_on_its_own_stream_is_refused(host):
+    seen = []
+
+    def wait_for_later(s, ins, outs):
+        later = s.record()  # behind this step on its own stream: never reached while it runs
+        try:
+            later.synchronize()
+        except InvalidState as exc:
+            seen.append(exc)
+        outs[0][...] = ins[0]
+
+    _one_call(wait_for_later).method("f", device=host)([np.ones(4, np.float32)])[0].to_host()
+    assert seen and "cannot be reached until the step returns" in str(seen[0])
+
+
+def test_callable_steps_that_would_not_run_are_refused_when_added():
+    """An async def was accepted and never ran (outputs left as they were), and a callable of
+    the wrong arity faulted the device at its first run."""
+    async def not_a_step(s, ins, outs):
+        outs[0][...] = ins[0]
+
+    def generator(s, ins, outs):
+        yield
+
+    for bad in (not_a_step, generator):
+        with pytest.raises(InvalidProgram, match="not an async def or a generator"):
+            _one_call(bad)
+    with pytest.raises(InvalidProgram, match=r"taking \(stream, ins, outs\)"):
+        _one_call(lambda s, ins: None)
+
+
+def test_a_step_returning_an_awaitable_is_an_error_not_a_silent_no_op(device):
+    class AsyncStep:  # an object whose __call__ is async: not caught when the step is added
+        async def __call__(self, s, ins, outs):
+            outs[0][...] = ins[0]
+
+    method = _one_call(AsyncStep()).method("f", device=device)
+    if device.kind == "host":  # run in stream order: the device faults, as for any raise
+        try:
+            with pytest.raises(DeviceError) as info:
+                method([np.ones(4, np.float32)])[0].to_host()
+        finally:
+            device.reset_error()
+        assert isinstance(info.value.__cause__, InvalidArgument)
+        assert "returned an awaitable" in str(info.value.__cause__)
+    else:
+        with pytest.raises(InvalidArgument, match="returned an awaitable"):
+            method([np.ones(4, np.float32)])
+
+
+def test_call_outputs_are_checked_when_added_and_agree_with_earlier_declarations():
+    """outs were checked only at finish() (the bad step stayed in the builder, which could not
+    be repaired), numpy dims were refused, and an output naming an existing buffer with
+    another dtype or shape was taken, silently keeping the first declaration."""
+    def same(s, ins, outs):
+        outs[0][...] = ins[0]
+
+    b = Program.build("p")
+    m = b.method("f", x=("float32", [4]))
+    with pytest.raises(InvalidProgram, match=r"steps\[0\]\.out\[0\]\.dtype"):
+        m.call(same, ["x"], [("z", "bogus", [4])])
+    with pytest.raises(InvalidProgram, match=r"steps\[0\]\.out\[0\]\.shape\[0\]"):
+        m.call(same, ["x"], [("z", "float32", [-1])])
+    h = m.step("relu", "x", out="h")
+    with pytest.raises(InvalidProgram, match=r"'h' as declared before: float32\[4\]"):
+        m.call(same, [h], [("h", "int64", [2, 3])])
+    m.call(same, [h], [("y", np.float32, [np.int64(4)])])
+    m.output("y")
+    x = np.arange(4, dtype=np.float32) - 2
+    from streamlane.runtime import get_device
+
+    out = b.finish().method("f", device=get_device("host"))([x])[0].to_host()
+    np.testing.assert_array_equal(out, np.maximum(x, 0))
+
+
+def test_a_callable_step_gets_read_only_inputs_on_the_host_device(host):
+    """A step wrote into its input views: a constant drifted from call to call, and another
+    method's Result passed in was rewritten."""
+    errors = []
+
+    def scribble(s, ins, outs):
+        try:
+            ins[0][...] = 99
+        except ValueError as exc:
+            errors.append(exc)
+        outs[0][...] = ins[0]
+
+    x = Result.from_host(np.ones(4, np.float32), host)
+    _one_call(scribble).method("f", device=host)([x])[0].to_host()
+    assert errors and "read-only" in str(errors[0])
+    np.testing.assert_array_equal(x.to_host(), np.ones(4, np.float32))
+
+
+def test_a_host_fault_is_raised_fresh_each_time_with_the_steps_error_as_cause(host):
+    """One DeviceError instance was raised again and again: its traceback grew with every
+    raise and kept every caller's frames alive, and the step's own exception was lost."""
+    def boom(s, ins, outs):
+        raise RuntimeError("boom in a step")
+
+    method = _one_call(boom).method("f", device=host)
+    seen = []
+    try:
+        for _ in range(3):
+            with pytest.raises(DeviceError) as info:
+                method([np.ones(4, np.float32)])[0].to_host()
+            seen.append(info.value)
+    finally:
+        host.reset_error()
+    assert len({id(e) for e in seen}) == 3
+    assert all(isinstance(e.__cause__, RuntimeError) for e in seen)
+    assert "boom in a step" in str(seen[0])
