@@ -10,6 +10,7 @@ import time
 import ml_dtypes
 import numpy as np
 import pytest
+from thread_helpers import waits_until_released
 
 from streamlane.runtime import CallerStream, Program, Result
 from streamlane.runtime.errors import InvalidArgument, InvalidInput
@@ -1070,7 +1071,6 @@ def test_a_failed_execute_that_could_not_mark_its_end_orders_the_next_after_the_
     where the execute's part ends, and the output buffer it readied has forgotten its reader,
     a consumer held on that stream. The next execute, from another thread, waits for the
     whole device instead (rule 8), and says beforehand that it may wait on the host."""
-    import threading
 
     second = []
     record = type(host)._record
@@ -1114,13 +1114,8 @@ def test_a_failed_execute_that_could_not_mark_its_end_orders_the_next_after_the_
         monkeypatch.undo()
         assert m.may_wait_on_host()
         result = []
-        thread = threading.Thread(target=lambda: result.append(m([x2])[0]))
-        thread.start()
-        thread.join(0.2)
-        assert thread.is_alive(), "the next execute did not wait for the device"
-        latch.release()
-        thread.join(10)
-        assert not thread.is_alive()
+        waits_until_released(lambda: result.append(m([x2])[0]), latch.release,
+                             "the next execute (it must wait for the device)")
         np.testing.assert_allclose(read.to_host(), 6 * x1, rtol=1e-6)
         np.testing.assert_allclose(result[0].to_host(), 2 * x2, rtol=1e-6)
         assert not m.may_wait_on_host()

@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 import pytest
-from thread_helpers import in_thread
+from thread_helpers import in_thread, waits_until_released
 
 from streamlane.runtime import CallerStream, current_stream, get_device
 from streamlane.runtime.errors import (
@@ -678,13 +678,8 @@ def test_the_host_device_waits_where_cuda_waits(host):
     out = np.zeros(4, np.float32)
     with host.create_stream() as s, host.create_latch() as latch:
         latch.hold(s)
-        copier = threading.Thread(target=host.copy_to_host, args=(out, x, s))
-        copier.start()
-        copier.join(0.3)
-        assert copier.is_alive(), "copy_to_host returned while its stream was held"
-        latch.release()
-        copier.join(10)
-        assert not copier.is_alive()
+        waits_until_released(lambda: host.copy_to_host(out, x, s), latch.release,
+                             "copy_to_host into numpy memory, its stream held,")
         np.testing.assert_array_equal(out, np.arange(4, dtype=np.float32))
     with host.create_latch() as latch:
         latch.hold(host.per_thread_stream())

@@ -24,3 +24,16 @@ def in_thread(fn: Callable[[], Any], timeout: float = 30) -> Any:
     if "error" in box:
         raise box["error"]
     return box["value"]
+
+
+def waits_until_released(fn: Callable[[], Any], release: Callable[[], None], what: str,
+                         held_s: float = 0.2, timeout: float = 10) -> None:
+    """``fn()`` on a new thread must still be running ``held_s`` after it starts (it waits
+    for something held), and end once ``release()`` is called."""
+    t = threading.Thread(target=fn)
+    t.start()
+    t.join(held_s)
+    assert t.is_alive(), f"{what} did not wait"
+    release()
+    t.join(timeout)
+    assert not t.is_alive(), f"{what} did not end once released"
