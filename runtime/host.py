@@ -49,6 +49,9 @@ class _Worker:
         self.queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self.stopped = False
         self.drained = threading.Event()  # set when its thread has run everything and ends
+        # A per-thread stream's worker: the Stream a callable step running on it is handed
+        # (HostDevice._enqueue_callable)
+        self.handed: Stream | None = None
         self._lock = threading.Lock()  # put() and stop(): nothing lands behind the sentinel
         self.thread = threading.Thread(target=self._run, name=f"streamlane-host-{name}",
                                        daemon=True)
@@ -107,9 +110,6 @@ class _HostEvent:
         self.marker = _COMPLETE  # never recorded: complete, as in CUDA
 
 
-_FAULT = "host device fault: {exc!r}; the device is unusable until the process restarts"
-
-
 class _ThreadStream:
     """Holder in a thread-local: when the thread ends, the holder dies, and the thread's
     stream is drained before the thread is done (its ``join`` returns after the queued work,
@@ -141,7 +141,7 @@ class HostDevice(Device):
         self._legacy_worker = _Worker(self, "legacy")
         self._legacy = Stream(self, LEGACY, LEGACY_HANDLE, self._legacy_worker)
         self._workers: weakref.WeakValueDictionary[int, _Worker] = weakref.WeakValueDictionary()
-        self._error: DeviceError | None = None
+        self._fault_cause: BaseException | None = None  # what a step raised: the fault
 
     # -- test hooks ---------------------------------------------------------------------------
     def inject_delay(self, stream: Stream, seconds: float) -> None:
@@ -158,13 +158,13 @@ class HostDevice(Device):
 
     def reset_error(self) -> None:
         """Clear a sticky fault (tests only: a real CUDA context cannot be recovered)."""
-        self._error = None
+        self._fault_cause = None
 
     @property
     def lost(self) -> bool:
         """True once a fault (an exception on a stream's worker thread) has made the device
         unusable, as a kernel fault does a CUDA context (``reset_error`` is for tests)."""
-        return self._error is not None
+        return self._fault_cause is not None
 
     # -- streams ------------------------------------------------------------------------------
     def per_thread_stream(self) -> Stream:
@@ -272,15 +272,15 @@ class HostDevice(Device):
         self._raise_if_faulted()
 
     def _fault(self, exc: BaseException) -> None:
-        if self._error is None:
-            self._error = DeviceError(_FAULT.format(exc=exc), "HOST_DEVICE_FAULT")
-            self._error.__cause__ = exc  # what the step raised, traceback and all
+        if self._fault_cause is None:
+            self._fault_cause = exc
 
     def _raise_if_faulted(self) -> None:
-        error = self._error
-        if error is not None:  # a new one each time: one raised again and again grew its
-            cause = error.__cause__  # traceback and kept every caller's frame alive
-            raise DeviceError(_FAULT.format(exc=cause), error.code) from cause
+        cause = self._fault_cause
+        if cause is not None:  # a new error each time (one raised again and again grew its
+            # traceback and kept every caller's frame alive), caused by what the step raised
+            raise DeviceError(f"host device fault: {cause!r}; the device is unusable until "
+                              f"the process restarts", "HOST_DEVICE_FAULT") from cause
 
     # -- memory -------------------------------------------------------------------------------
     def _alloc(self, nbytes: int, stream_impl: Any) -> tuple[int, Any]:
@@ -344,7 +344,7 @@ class HostDevice(Device):
         out_views = [self.view(a) for a in outs]
 
         def run() -> None:
-            if self._error is None:  # a faulted device runs no more kernels
+            if self._fault_cause is None:  # a faulted device runs no more kernels
                 # IEEE results (inf, NaN) as on CUDA: numpy's RuntimeWarnings, turned into
                 # errors by a warnings filter (python -W error), would fault the device.
                 with np.errstate(all="ignore"):
@@ -365,13 +365,16 @@ class HostDevice(Device):
             in_views.append(view)
         out_views = [self.view(a) for a in outs]
         handed = stream
-        if stream.owner_thread is not None:  # a per-thread stream: the same queue, usable
-            handed = Stream(self, stream.kind, stream.handle, stream_impl,  # by its worker
-                            owner_thread=stream_impl.thread.ident)
-            handed.key = stream.key
+        if stream.owner_thread is not None:  # a per-thread stream: the same queue, usable by
+            handed = stream_impl.handed  # its worker (made once: a worker has one such Stream)
+            if handed is None:
+                handed = stream_impl.handed = Stream(self, stream.kind, stream.handle,
+                                                     stream_impl,
+                                                     owner_thread=stream_impl.thread.ident)
+                handed.key = stream.key
 
         def run() -> None:
-            if self._error is None:
+            if self._fault_cause is None:
                 check_step_result(fn, fn(handed, in_views, out_views))
 
         stream_impl.put(run)
