@@ -26,7 +26,7 @@ import numpy as np
 from .dtypes import as_host_array, dtype_name
 from .errors import InvalidArgument
 from .memory import PRUNE_USES_AT, Buffer, DeviceArray, prune_uses
-from .stream import Stream, current_stream
+from .stream import LEGACY_HANDLE, Stream, current_stream
 
 if TYPE_CHECKING:
     from .device import Device
@@ -448,7 +448,7 @@ def _consumer_stream(self: Result, stream: Any) -> Stream | None:
             self.event.synchronize()
         return None
     if stream is None:
-        stream = 1  # DLPack: None means the legacy default stream on CUDA
+        stream = LEGACY_HANDLE  # DLPack: None means the legacy default stream on CUDA
     consumer = self.device.stream_from_handle(stream)
     self.wait_on(consumer)
     return consumer
