@@ -49,6 +49,12 @@ class KernelSpecError(ValueError):
         super().__init__(f"{where}: expected {expected}, got {got!r}")
 
 
+def plain_number(value: Any) -> Any:
+    """A numpy integer or floating scalar as the Python number it holds; anything else (a
+    numpy bool included: no number) as it is."""
+    return value.item() if isinstance(value, (np.integer, np.floating)) else value
+
+
 @dataclass(frozen=True)
 class Param:
     """A scalar setting of a kernel (under ``params`` in a program step)."""
@@ -123,9 +129,8 @@ class KernelSpec:
                                           f"(required by {self.name})", None)
                 out[key] = p.default
                 continue
-            given_value = value = given[key]
-            if isinstance(value, (np.integer, np.floating)):  # np.float32(2): as 2.0 is
-                value = value.item()
+            given_value = given[key]
+            value = plain_number(given_value)  # np.float32(2): as 2.0 is
             ok = isinstance(value, (int, float)) and not isinstance(value, bool)
             # math, not np.isfinite: numpy raises TypeError on ints beyond 64 bits (2**64),
             # and float() overflows on huge ints; both are bad params, not crashes.

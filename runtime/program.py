@@ -25,7 +25,7 @@ import numpy as np
 from numpy.lib import format as npy_format
 
 from streamlane.kernels import KernelSpec, KernelSpecError, UnknownKernel, get_kernel
-from streamlane.kernels.spec import member_path
+from streamlane.kernels.spec import member_path, plain_number
 
 from .dtypes import DTYPES, as_host_array, dtype_name
 from .errors import InvalidArgument, InvalidProgram, NotSupported
@@ -315,13 +315,7 @@ class MethodBuilder:
             where = f"{member_path('methods', name)}.inputs[{i}]"
             if not isinstance(decl, (tuple, list)) or len(decl) != 2:
                 raise InvalidProgram(where, "(dtype, shape)", decl)
-            d, shape = decl
-            d = _dtype_given(d)
-            given = _shape_given(shape)  # numpy integers too, as step(shape=) takes them
-            item = {"name": k, "dtype": d, "shape": list(given) if given is not None else
-                    list(shape) if isinstance(shape, (list, tuple)) else shape}
-            _Validator({}, {}, {})._tensor(item, where)  # as a manifest's input would be
-            self._inputs.append(item)
+            self._inputs.append(_tensor_given(k, *decl, where))
         self._buffers: list[dict[str, Any]] = []
         self._steps: list[dict[str, Any]] = []
         self._outputs: list[str] = []
@@ -381,8 +375,7 @@ class MethodBuilder:
             outs.append(name)
         d = {"kernel": kernel, "in": list(ins), "out": outs}
         if params:  # numpy scalars as the plain numbers a manifest holds (save() writes JSON)
-            d["params"] = {k: v.item() if isinstance(v, (np.integer, np.floating)) else v
-                           for k, v in params.items()}
+            d["params"] = {k: plain_number(v) for k, v in params.items()}
         self._steps.append(d)
         return outs[0] if outs else ""
 
@@ -429,11 +422,8 @@ class MethodBuilder:
         for j, out in enumerate(outs):  # all checked before the builder changes
             if not isinstance(out, (list, tuple)) or len(out) != 3:
                 raise InvalidProgram(f"{where}[{j}]", "(name, dtype, shape)", out)
-            oname, dtype, shape = out
-            given = _shape_given(shape)
-            item = {"name": oname, "dtype": _dtype_given(dtype),
-                    "shape": list(given) if given is not None else shape}
-            _Validator({}, {}, {})._tensor(item, f"{where}[{j}]")  # as a manifest's buffer
+            oname = out[0]
+            item = _tensor_given(*out, f"{where}[{j}]")
             known = self._known(oname)
             if known is not None and known != (item["dtype"], tuple(item["shape"])):
                 raise InvalidProgram(f"{where}[{j}]", f"{oname!r} as declared before: "
@@ -1022,6 +1012,17 @@ def _program_kernel(name: Any, where: str) -> KernelSpec:
         raise InvalidProgram(f"{where}.kernel", "a kernel of the library (" +
                              ", ".join(kernel_names(in_programs_only=True)) + ")", name)
     return spec
+
+
+def _tensor_given(name: Any, dtype: Any, shape: Any, where: str) -> dict[str, Any]:
+    """A tensor the builder was given in Python, ``(name, dtype, shape)`` with numpy dtypes
+    and integers allowed, as a manifest holds it, checked as a manifest's would be."""
+    given = _shape_given(shape)
+    item = {"name": name, "dtype": _dtype_given(dtype),
+            "shape": list(given) if given is not None else
+            list(shape) if isinstance(shape, (list, tuple)) else shape}
+    _Validator({}, {}, {})._tensor(item, where)
+    return item
 
 
 def _dtype_given(dtype: Any) -> Any:
