@@ -161,6 +161,9 @@ class Device(ABC):
         return False
 
     def create_event(self, *, timing: bool = False) -> Event:
+        if not isinstance(timing, bool):  # "no" would make a timing event (rule 5's spirit)
+            raise InvalidArgument(f"create_event(timing=...) takes True or False, got "
+                                  f"{type(timing).__name__} {timing!r}")
         return Event(self, self._new_event(timing), timing)
 
     def synchronize(self) -> None:

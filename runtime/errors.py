@@ -57,7 +57,10 @@ class InvalidInput(InvalidArgument):
         self.got = got
         self.hint = hint
         where = f"method {method!r}" if index is None else f"input {index} of method {method!r}"
-        msg = f"{where}: expected {expected}, got {got}"
+        text = str(got)  # a 4000-digit int given for a float32 is reported, not repeated
+        if len(text) > 200:
+            text = text[:197] + "..."
+        msg = f"{where}: expected {expected}, got {text}"
         super().__init__(msg + (f"; {hint}" if hint else ""))
 
 

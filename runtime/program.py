@@ -103,12 +103,23 @@ class Program:
     def __init__(self, name: str, methods: Mapping[str, MethodDef],
                  constants: Mapping[str, np.ndarray], callables: Mapping[str, StepFn],
                  device_index: int | None = None, constants_file: str | None = None):
-        self.name = name
-        self.methods = MappingProxyType(dict(methods))
-        self.constants = MappingProxyType(dict(constants))
-        self.callables = MappingProxyType(dict(callables))
-        self.device_index = device_index
-        self.constants_file = constants_file
+        fields = self.__dict__  # set once here: __setattr__ refuses
+        fields["name"] = name
+        fields["methods"] = MappingProxyType(dict(methods))
+        fields["constants"] = MappingProxyType(dict(constants))
+        fields["callables"] = MappingProxyType(dict(callables))
+        fields["device_index"] = device_index
+        fields["constants_file"] = constants_file
+
+    def __setattr__(self, attr: str, value: Any) -> None:
+        # Validated once, used by methods bound since: a renamed program would save a manifest
+        # load() refuses, and a changed table would disagree with the methods built from it.
+        raise AttributeError(f"a Program is immutable (validated when built or loaded): "
+                             f"cannot set {attr!r}; build a new one with Program.build() or "
+                             f"Program.from_manifest(program.to_manifest() edited)")
+
+    def __delattr__(self, attr: str) -> None:
+        raise AttributeError(f"a Program is immutable: cannot delete {attr!r}")
 
     # -- construction ---------------------------------------------------------------------
     @classmethod
@@ -117,11 +128,17 @@ class Program:
         if not isinstance(path, (str, os.PathLike)):
             raise InvalidArgument(f"Program.load takes a path (str or os.PathLike), got "
                                   f"{type(path).__name__}")
-        if not os.fspath(path):  # Path("") is ".", which would be reported as "at ."
+        text = os.fspath(path)
+        if not isinstance(text, str):
+            raise InvalidArgument(f"Program.load takes a str path, got {type(text).__name__}")
+        if not text:  # Path("") is ".", which would be reported as "at ."
             raise InvalidArgument("Program.load: the path is empty")
-        path = Path(path)
-        if "\0" in str(path):
-            raise InvalidArgument(f"Program.load: the path {str(path)!r} holds a NUL character")
+        if "\0" in text:
+            raise InvalidArgument(f"Program.load: the path {text!r} holds a NUL character")
+        if _names_folder(text):  # Path() would drop the "/" and read the file "x"
+            raise InvalidProgram("", f"a manifest file at {text}",
+                                 "a path ending in a separator, which names a folder")
+        path = Path(text)
         try:  # never more than the limit read: the file may be huge, or endless (/dev/zero)
             with _open_without_waiting(path) as f:
                 size = os.fstat(f.fileno()).st_size  # 0 for a pipe or a device
@@ -380,9 +397,11 @@ class MethodBuilder:
         return outs[0] if outs else ""
 
     def call(self, fn: StepFn, ins: Sequence[str],
-             outs: Sequence[tuple[str, str, Sequence[int]]], name: str | None = None) -> None:
+             outs: Sequence[tuple[str, str, Sequence[int]]],
+             name: str | None = None) -> tuple[str, ...]:
         """Append a callable step: ``fn(stream, ins, outs)`` enqueues its work on ``stream``
-        (device arrays in, device arrays out)."""
+        (device arrays in, device arrays out). Returns the names of the buffers it writes, in
+        order: ``m.output(*m.call(fn, ["x"], [("y", "float32", [8])]))``."""
         step = f"{member_path('methods', self.name)}.steps[{len(self._steps)}]"
         if not callable(fn):
             raise InvalidProgram(f"{step}.callable", "a callable fn(stream, ins, outs)",
@@ -433,14 +452,20 @@ class MethodBuilder:
         self._parent._callables[name] = fn
         for item in declared:
             self._declare(item["name"], item["dtype"], tuple(item["shape"]))
-        self._steps.append({"callable": name, "in": list(ins), "out": [o[0] for o in outs]})
+        names = tuple(o[0] for o in outs)
+        self._steps.append({"callable": name, "in": list(ins), "out": list(names)})
+        return names
 
     def output(self, *names: str) -> None:
         """Declare the method's outputs, in order (names of steps' outputs); one name once."""
         declared = set(self._outputs)
         for j, name in enumerate(names):
+            where = f"{member_path('methods', self.name)}.outputs[{len(self._outputs) + j}]"
+            if not isinstance(name, str):  # finish() would only say "a name", not why
+                raise InvalidProgram(f"{where}.name", "the name (a str) of a buffer a step "
+                                     "writes; m.call() returns a tuple of them: "
+                                     "m.output(*m.call(...))", name)
             if name in declared:
-                where = f"{member_path('methods', self.name)}.outputs[{len(self._outputs) + j}]"
                 raise InvalidProgram(f"{where}.name", "an output declared once", name)
             declared.add(name)
         self._outputs.extend(names)
@@ -529,6 +554,10 @@ def _save_path(path: Any) -> Path:
         raise InvalidArgument(f"Program.save takes a str path, got {type(text).__name__}")
     if "\0" in text:
         raise InvalidArgument(f"save({text!r}): a path cannot hold a NUL character")
+    if _names_folder(text):  # Path() would drop the "/" and write a file of the folder's name
+        raise InvalidArgument(f"save({text!r}): a path ending in a separator names a folder; "
+                              f"name a file to write the manifest to (e.g. "
+                              f"{os.path.join(text, 'program.json')!r})")
     target = Path(text)
     try:
         target = _manifest_file(target)
@@ -547,6 +576,11 @@ def _save_path(path: Any) -> Path:
                               f"constants, say), which a manifest would overwrite; choose "
                               f"another manifest name")
     return target
+
+
+def _names_folder(text: str) -> bool:
+    """Whether a path as given ends in a separator (``models/``): a folder, whatever it holds."""
+    return text.endswith(("/", os.sep) + ((os.altsep,) if os.altsep else ()))
 
 
 def _manifest_file(path: Path) -> Path:
@@ -843,6 +877,11 @@ class _Validator:
                 raise InvalidProgram(f"constant_tensors[{i}]",
                                      f"{dtype_name(have.dtype)}{list(have.shape)}, as the "
                                      f"constants .npz holds", f"{t.dtype}{list(t.shape)}")
+        undeclared = [k for k in consts if k not in declared]
+        if undeclared:  # the table describes what the program reads, all of it
+            raise InvalidProgram("constant_tensors", f"a declaration of every constant in the "
+                                 f"constants .npz ({len(consts)})",
+                                 f"none for {undeclared[0]!r}")
         return consts
 
     def _method(self, mname: str, mdoc: Any,

@@ -192,6 +192,9 @@ def test_scalar_inputs_out_of_their_dtypes_range_are_refused_not_wrapped():
             with pytest.raises(InvalidInput, match=f"{dtype} scalar") as info:
                 method.set_inputs([value])
             assert info.value.index == 0, (dtype, value)
+    with pytest.raises(InvalidInput) as info:  # reported, not repeated: 4000 digits
+        scalar_method("float32").set_inputs([10**4000])
+    assert len(str(info.value)) < 400 and info.value.got == 10**4000
     good = {"int32": [2**31 - 1, np.int64(-2**31), np.uint8(7)], "uint8": [255, np.int64(0)],
             "float32": [3.4e38, np.float64(1e-50), float("inf"), float("nan")],
             "float16": [65504.0], "bfloat16": [2**70, -1e38]}
@@ -975,6 +978,28 @@ def test_call_outputs_are_checked_when_added_and_agree_with_earlier_declarations
 
     out = b.finish().method("f", device=get_device("host"))([x])[0].to_host()
     np.testing.assert_array_equal(out, np.maximum(x, 0))
+
+
+def test_call_returns_its_output_names_and_output_says_what_it_got():
+    """step() returns its output's name, call() returned None, and m.output(m.call(...)) then
+    failed at finish() with "expected a name", saying nothing of call() or None."""
+    def split(s, ins, outs):
+        outs[0][...] = ins[0]
+        outs[1][...] = -ins[0]
+
+    b = Program.build("p")
+    m = b.method("f", x=("float32", [4]))
+    names = m.call(split, ["x"], [("a", "float32", [4]), ("b", "float32", [4])])
+    assert names == ("a", "b")
+    for bad in (None, names):
+        with pytest.raises(InvalidProgram, match=r"outputs\[0\]\.name.*m\.output\(\*m\.call"):
+            m.output(bad)  # type: ignore[arg-type]
+    m.output(*names)
+    from streamlane.runtime import get_device
+
+    x = np.arange(4, dtype=np.float32)
+    a, neg = b.finish().method("f", device=get_device("host"))([x])
+    np.testing.assert_array_equal(neg.to_host(), -a.to_host())
 
 
 def test_a_callable_step_gets_read_only_inputs_on_the_host_device(host):

@@ -191,6 +191,20 @@ def test_save_checks_its_path_before_writing(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adir"]
 
 
+def test_a_path_ending_in_a_separator_names_a_folder_for_save_and_load(tmp_path):
+    """pathlib drops a trailing "/": save("models/") wrote a file "models" (and models.npz)
+    where the user meant a folder, and load("p.json/") read the file p.json."""
+    for folder in (tmp_path / "models", tmp_path / "exists"):
+        with pytest.raises(InvalidArgument, match="names a folder"):
+            small(1.0).save(str(folder) + os.sep)
+        (tmp_path / "exists").mkdir(exist_ok=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exists"]
+    small(1.0).save(tmp_path / "p.json")
+    with pytest.raises(InvalidProgram, match="names a folder"):
+        Program.load(str(tmp_path / "p.json") + "/")
+    assert Program.load(tmp_path / "p.json") == small(1.0)
+
+
 def test_a_symlinked_manifest_saves_to_its_target_and_loads_through_the_link(tmp_path):
     (tmp_path / "real").mkdir()
     (tmp_path / "link").mkdir()
@@ -317,6 +331,42 @@ def test_big_endian_bfloat16_constants_load(tmp_path):
     q = Program.load(tmp_path / "p.json")
     assert q.constants["wb"].dtype == w.dtype
     np.testing.assert_array_equal(q.constants["wb"].astype(np.float32), w.astype(np.float32))
+
+
+def test_a_constant_table_must_declare_every_constant_of_the_npz(tmp_path):
+    """A table leaving out a constant the .npz holds (and a step reads) loaded, and the
+    undeclared constant was bound and used: the table would not describe what the program
+    reads. Without a table, the .npz alone describes the constants (DESIGN's format)."""
+    doc = manifest()
+    doc["constant_tensors"] = [{"name": "w1", "dtype": "float32", "shape": [16, 16]}]
+    path = write(tmp_path, doc, constants={"w1": W, "w2": W})
+    with pytest.raises(InvalidProgram, match="'w2'") as info:
+        Program.load(path)
+    assert info.value.path == "constant_tensors"
+    doc["constant_tensors"].append({"name": "w2", "dtype": "float32", "shape": [16, 16]})
+    assert sorted(Program.load(write(tmp_path, doc, {"w1": W, "w2": W})).constants) == \
+        ["w1", "w2"]
+    del doc["constant_tensors"]
+    assert sorted(Program.load(write(tmp_path, doc, {"w1": W, "w2": W})).constants) == \
+        ["w1", "w2"]
+    with pytest.raises(InvalidProgram, match="'w2'"):
+        Program.from_manifest({**manifest(), "constant_tensors": [
+            {"name": "w1", "dtype": "float32", "shape": [16, 16]}]}, {"w1": W, "w2": W})
+
+
+def test_a_program_is_immutable(tmp_path):
+    """A renamed program saved a manifest that load() refused; every field is fixed once
+    validated (the tables were read-only already)."""
+    p = small(1.0)
+    for attr, value in (("name", "bad name/../x"), ("device_index", 3),
+                        ("constants_file", "x.npz"), ("methods", {}), ("new", 1)):
+        with pytest.raises(AttributeError, match="immutable"):
+            setattr(p, attr, value)
+    with pytest.raises(AttributeError, match="immutable"):
+        del p.name
+    assert p == small(1.0) and p.name == "p"
+    p.save(tmp_path / "p.json")
+    assert Program.load(tmp_path / "p.json") == p
 
 
 def test_a_constants_file_changed_between_the_two_reads_is_refused(tmp_path, monkeypatch):

@@ -291,6 +291,15 @@ def test_event_record_query_wait_and_elapsed(device):
     assert 15.0 <= start.elapsed_ms(end) < 2_000
 
 
+@pytest.mark.parametrize("timing", ["no", 1, None, np.bool_(True)])
+def test_create_event_takes_a_bool_for_timing(device, timing):
+    """timing="no" made a timing event (the string is true); as the methods' options, a
+    non-bool is refused."""
+    with pytest.raises(InvalidArgument, match="True or False"):
+        device.create_event(timing=timing)
+    assert device.create_event(timing=False).timing is False
+
+
 def test_elapsed_needs_timing_events(device):
     s = device.per_thread_stream()
     a, b = s.record(), s.record()
