@@ -104,7 +104,8 @@ UNREAD_MAX = 32
 # The waiter reports a lane's jobs in order: a job done on one caller stream behind one still
 # running on another stream of the lane would wait for that one. While such jobs are in
 # flight, an idle lane thread looks at them itself after LOOK_AFTER_S, then doubling up to
-# every LOOK_EVERY_S, and reports those done (Lane._look_behind_head).
+# every LOOK_EVERY_S, and reports those done (Lane._look_behind_head); a busy one, at most every
+# LOOK_EVERY_S between two jobs.
 LOOK_AFTER_S = 0.001
 LOOK_EVERY_S = 0.016
 _LOOK = object()  # put in the lane's queue: look again at what is in flight
@@ -124,6 +125,7 @@ class Lane:
         self._queued = self._in_flight = self._completed = 0
         # Jobs given to the waiter thread and not yet settled by it, in its order (_lock)
         self._handed_jobs: deque[Job] = deque()
+        self._looked = 0.0  # when the lane thread last looked behind the head (monotonic)
         self._queued_calls = 0  # driver calls of the jobs in flight (see HOLD_GIL_BELOW)
         self._park = threading.Event()  # what threads wait on once the device is lost
         self._busy_s = 0.0
@@ -450,13 +452,19 @@ class Lane:
         """Lane thread: the next job to enqueue (None: stop). While jobs of more than one stream
         are in flight on the lane, waiting for it is cut short now and then to report those
         done behind a job of another stream (``_look_behind_head``)."""
-        if not self._jobs.empty():  # more to enqueue (a burst): no look, no scan
+        if not self._jobs.empty():  # more to enqueue (a burst): no scan, but a busy lane
+            now = time.monotonic()  # still looks every LOOK_EVERY_S (a lane kept busy by a
+            if now - self._looked >= LOOK_EVERY_S:  # steady flow never goes idle)
+                self._looked = now
+                if self._streams_in_flight() > 1:
+                    self._look_behind_head()
             return self._jobs.get()
         timeout = LOOK_AFTER_S
         while self._streams_in_flight() > 1:
             try:
                 return self._jobs.get(timeout=timeout)
             except queue.Empty:
+                self._looked = time.monotonic()
                 self._look_behind_head()
                 timeout = min(2 * timeout, LOOK_EVERY_S)
         return self._jobs.get()

@@ -985,9 +985,11 @@ class Scheduler:
 
     @property
     def pending(self) -> int:
-        """Jobs submitted and not yet finished."""
+        """Jobs submitted and not yet finished. On the loop thread it settles those the device
+        has finished first (one event query per pending job), as ``job.done()`` does, so it
+        agrees with ``statistics()`` and reaches 0 for code that polls it without yielding."""
         if self.may_update():
-            self._release_loop_job()
+            self._settle_finished()
             self.observed()
         return len(self._pending)
 

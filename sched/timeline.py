@@ -93,7 +93,7 @@ class Timeline:
 
     def busy_s(self) -> float:
         """The sum of job durations."""
-        return sum(s.duration_s for s in self.spans)
+        return sum((s.duration_s for s in self.spans), 0.0)
 
     def union_s(self) -> float:
         """The time at least one job was running (the union of the spans)."""

@@ -1107,6 +1107,62 @@ async def test_a_caller_stream_job_done_behind_a_held_one_of_its_lane_is_awaited
     np.testing.assert_allclose(y.to_host(), 2 * data(0), rtol=1e-6)
 
 
+async def test_a_job_done_behind_a_held_one_is_awaited_while_its_lane_stays_busy(device):
+    """The lane thread looked behind the head only once idle: with other tasks submitting to
+    the lane without pause, a job done on another stream than a held one's was never reported
+    (its await still waited after 5 s, done() true) until the queue filled or the held job
+    ended. A busy lane now looks at most every LOOK_EVERY_S between two jobs."""
+    held_m, quick, filler = (double_program(n).method("forward", device=device)
+                             for n in ("held", "quick", "filler"))
+    s1, s2 = device.create_stream(), device.create_stream()
+    with anyio.fail_after(60):
+        async with Scheduler(device, lanes=1, queue_size=100_000) as sched:
+            stop = anyio.Event()
+
+            async def feeder() -> None:  # other clients keep the lane thread busy
+                while not stop.is_set():
+                    await sched.submit(filler, [data(2)], stream=s2)
+                    await anyio.sleep(0)
+
+            with device.create_latch() as latch:
+                latch.hold(s1)
+                held = await sched.submit(held_m, [data(0)], stream=s1)
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(feeder)
+                    await anyio.sleep(0.01)
+                    job = await sched.submit(quick, [data(1)], stream=s2)
+                    try:
+                        with anyio.fail_after(3):
+                            (y,) = await job
+                    finally:
+                        stop.set()
+                    with CallerStream(s2):
+                        np.testing.assert_allclose(y.to_host(), 2 * data(1), rtol=1e-6)
+                assert held.state == "running"
+                latch.release()
+            (y,) = await held
+    np.testing.assert_allclose(y.to_host(), 2 * data(0), rtol=1e-6)
+
+
+async def test_pending_counts_what_the_device_has_not_finished_without_a_loop_turn(device):
+    """``pending`` counted a job the device had finished (statistics() said completed, done()
+    said True) until the loop turned, so code polling it without yielding never saw 0. It now
+    settles what is finished, as done() does; a job held back for its await is started."""
+    method = double_program().method("forward", device=device)
+    stream = device.create_stream()
+    with anyio.fail_after(30):
+        async with Scheduler(device, lanes=1) as sched:
+            for kw in ({}, {"stream": stream}):
+                job = await sched.submit(method, [data(0)], **kw)
+                deadline = time.monotonic() + 10
+                while sched.pending and time.monotonic() < deadline:
+                    time.sleep(0.001)  # no await: the loop does not turn
+                assert sched.pending == 0, (kw, sched.statistics())
+                assert job._finished and sched.statistics()[0].in_flight == 0
+                (y,) = await job
+                np.testing.assert_array_equal(y.to_host(), 2 * data(0))
+
+
 async def test_the_lane_thread_stops_looking_once_one_stream_is_left_in_flight(host,
                                                                                monkeypatch):
     """After the lane thread had reported a job done behind a held one on another stream,

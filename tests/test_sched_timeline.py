@@ -215,6 +215,8 @@ def test_overlap_is_the_sum_of_durations_over_their_union():
     assert t.busy_s() == 3.0 and t.union_s() == 2.5 and t.wall_s() == 4.0
     assert t.overlap() == pytest.approx(1.2)
     assert Timeline([]).overlap() == 0.0
+    empty = Timeline([])  # floats, as annotated (busy_s() gave the int 0)
+    assert [type(f()) for f in (empty.busy_s, empty.union_s, empty.wall_s)] == [float] * 3
     assert t.tracks() == ["lane 0", "lane 1"]
     assert repr(t) == "<Timeline 3 jobs, 2 tracks, overlap 1.20x>"
 
