@@ -2,9 +2,10 @@
 reversed) into the C-contiguous layout, on the device that holds it.
 
 The runtime uses it for device inputs in another layout (``set_inputs`` with a transposed CuPy or
-torch array); programs cannot name it. It works on bytes: the source pointer is the array's first
-element, ``meta`` holds the shape and the strides in bytes (int64, shape first), and each thread
-copies whole elements of ``itemsize`` bytes.
+torch array); programs cannot name it, nor can ``Device.prepare`` / ``launch`` (``internal``):
+nothing checks the strides in ``meta`` against the memory they reach. It works on bytes: the
+source pointer is the array's first element, ``meta`` holds the shape and the strides in bytes
+(int64, shape first), and each thread copies whole elements of ``itemsize`` bytes.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ STRIDED_COPY = KernelSpec(
     params={"n": Param(int, None, 1, 1 << 48, "elements to copy"),
             "rank": Param(int, None, 1, MAX_RANK, "dimensions of the source"),
             "itemsize": Param(int, None, 1, 16, "bytes per element")},
-    dtypes=("uint8",), in_programs=False,
+    dtypes=("uint8",), in_programs=False, internal=True,
     doc="Gather a strided array into C order, bytewise (inputs: source bytes starting at the "
         "first element, int64 meta = shape + byte strides).")
 

@@ -103,6 +103,9 @@ class KernelSpec:
     params: Mapping[str, Param] = field(default_factory=dict)
     dtypes: tuple[str, ...] = ("float32",)
     in_programs: bool = True  # False for kernels that need a host-side object (latch)
+    # Launched only by the runtime, with arguments it derives itself: a caller naming it could
+    # make it read anywhere (strided_copy's byte strides are data, not checked against memory).
+    internal: bool = False
     # Whether an output may be exactly one of the inputs (same memory): every element is
     # written only by the thread that read what it needs of it, after reading it.
     in_place: bool = False

@@ -248,21 +248,35 @@ class Device(ABC):
                 out_shapes: Sequence[Sequence[int]] | None = None,
                 params: Mapping[str, Any] | None = None, *, dtype: str = "float32",
                 extra: Mapping[str, Any] | None = None) -> PreparedLaunch:
-        """Validate a launch once; raises ``InvalidArgument`` saying what is wrong."""
+        """Validate a launch once; raises ``InvalidArgument`` saying what is wrong.
+        ``extra``: host-side objects a kernel's twin needs beyond its params, under names
+        starting with ``_`` (the latch's release event)."""
+        spec = _public_kernel(kernel)
+        return self._prepare(spec, in_shapes, out_shapes, params, dtype, extra)
+
+    def _prepare(self, spec: KernelSpec | str, in_shapes: Sequence[Sequence[int]],
+                 out_shapes: Sequence[Sequence[int]] | None,
+                 params: Mapping[str, Any] | None, dtype: str = "float32",
+                 extra: Mapping[str, Any] | None = None) -> PreparedLaunch:
+        """``prepare`` for the runtime itself: internal kernels (``strided_copy``) too."""
+        kernel = spec if isinstance(spec, str) else spec.name
         _check_params(params, kernel)
         if extra is not None and not isinstance(extra, Mapping):
             raise InvalidArgument(f"prepare({kernel!r}): extra must be a mapping of name to "
                                   f"value (or None), got {type(extra).__name__}")
+        for key in extra or ():  # never a param: it would replace the value just checked
+            if not isinstance(key, str) or not key.startswith("_"):
+                raise InvalidArgument(f"prepare({kernel!r}): extra holds host-side objects "
+                                      f"under names starting with '_', got {key!r}; kernel "
+                                      f"parameters go in params, where they are checked")
         for what, shapes in (("in_shapes", in_shapes), ("out_shapes", out_shapes)):
             listed = (isinstance(shapes, Sequence) and not isinstance(shapes, (str, bytes))) \
                 or (isinstance(shapes, np.ndarray) and shapes.ndim > 0)
             if not listed and not (shapes is None and what == "out_shapes"):
                 raise InvalidArgument(f"prepare({kernel!r}): {what} must be a list of shapes, "
                                       f"got {type(shapes).__name__}")
-        try:
-            spec = get_kernel(kernel)
-        except UnknownKernel as exc:
-            raise InvalidArgument(str(exc.args[0] if exc.args else exc)) from None
+        if isinstance(spec, str):
+            spec = _kernel(spec)
         if dtype not in spec.dtypes:
             raise InvalidArgument(f"kernel {kernel!r} takes {'/'.join(spec.dtypes)}, got {dtype}")
         ins = [_check_shape(s) for s in in_shapes]
@@ -298,13 +312,14 @@ class Device(ABC):
         dtype = dtypes.pop() if dtypes else "float32"
         try:  # a signature validated once is not validated again (params are plain scalars)
             key = (kernel, dtype, tuple(a.shape for a in ins), tuple(a.shape for a in outs),
-                   tuple(sorted((k, type(v), v) for k, v in params.items())) if params else ())
+                   tuple(sorted((k, *_param_key(v)) for k, v in params.items())) if params
+                   else ())
             prepared = self._launch_cache.get(key)
         except TypeError:  # unhashable params: validate and report below
             key, prepared = None, None
         if prepared is None:
-            prepared = self.prepare(kernel, [a.shape for a in ins], [a.shape for a in outs],
-                                    params, dtype=dtype)
+            prepared = self._prepare(_public_kernel(kernel), [a.shape for a in ins],
+                                     [a.shape for a in outs], params, dtype)
             if key is not None and len(self._launch_cache) < 4096:
                 self._launch_cache[key] = prepared
         _check_memory(prepared.spec, ins, outs)  # PreparedLaunch.run without its first checks
@@ -467,6 +482,25 @@ class Latch:
 
 
 # -- helpers ---------------------------------------------------------------------------------
+def _kernel(name: str) -> KernelSpec:
+    try:
+        return get_kernel(name)
+    except UnknownKernel as exc:
+        raise InvalidArgument(str(exc.args[0] if exc.args else exc)) from None
+
+
+def _public_kernel(name: str) -> KernelSpec:
+    """The kernel a caller names for ``prepare`` / ``launch``: not one only the runtime may
+    launch, with arguments it derives itself."""
+    spec = _kernel(name)
+    if spec.internal:
+        raise InvalidArgument(f"kernel {name!r} is launched by the runtime only (its arguments "
+                              f"are not checked against the memory they reach); pass the "
+                              f"array to a method's set_inputs(), which gathers another layout "
+                              f"with it")
+    return spec
+
+
 MAX_DIM = 1 << 31
 
 
@@ -517,6 +551,14 @@ def _check_arrays(device: Device, kernel: str, ins: Any, outs: Any
     for i, a in enumerate((*ins, *outs)):
         device._check_array(a, f"argument {i} of {kernel}")
     return ins, outs
+
+
+def _param_key(value: Any) -> tuple[Any, Any]:
+    """A param as ``launch``'s cache tells it apart: -0.0 == 0.0, but fill and scale write the
+    sign (a float's hex keeps it)."""
+    if isinstance(value, (float, np.floating)):
+        return type(value), float(value).hex()
+    return type(value), value
 
 
 def _check_params(params: Any, kernel: str) -> None:

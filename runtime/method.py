@@ -289,7 +289,7 @@ class Method:
             dtype.itemsize
         meta = np.array([*got_shape, *strides], np.int64)
         size = int(np.prod(got_shape))
-        gather = self.device.prepare(
+        gather = self.device._prepare(
             "strided_copy", [(span,), meta.shape], [(size * dtype.itemsize,)],
             {"n": size, "rank": len(got_shape), "itemsize": dtype.itemsize}, dtype="uint8")
         source = DeviceArray(Buffer.borrowed(self.device, ptr, span), np.dtype(np.uint8), (span,))

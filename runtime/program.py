@@ -379,6 +379,12 @@ class MethodBuilder:
             if shapes[0] is not None and tuple(shapes[0]) != given:
                 raise InvalidProgram(f"{where}.shape", f"no shape (it is inferred: "
                                      f"{list(shapes[0])}), or that one", list(given))
+            if len(given) > MAX_RANK:  # checked here, where the bad shape= is (as a file's)
+                raise InvalidProgram(f"{where}.shape", f"a list of at most {MAX_RANK} "
+                                     f"dimensions", list(given))
+            for j, dim in enumerate(given):
+                if not 1 <= dim <= MAX_DIM:
+                    raise InvalidProgram(f"{where}.shape[{j}]", f"an int in 1..{MAX_DIM}", dim)
             shapes = [given]
         outs = []
         for k, inferred in enumerate(shapes):

@@ -333,8 +333,8 @@ def test_strided_copy_of_a_reversed_layout(device):
     first = raw.buffer.view(np.uint8, (4,), raw.offset + 12)  # starts at src[3]
     meta = device.to_device(np.array([4, -4], np.int64), s)
     out = device.empty((16,), np.uint8)
-    p = device.prepare("strided_copy", [(4,), (2,)], [(16,)],
-                       {"n": 4, "rank": 1, "itemsize": 4}, dtype="uint8")
+    p = device._prepare("strided_copy", [(4,), (2,)], [(16,)],  # the runtime's own way
+                        {"n": 4, "rank": 1, "itemsize": 4}, dtype="uint8")
     p.run(s, [first, meta], [out])
     try:
         got = device.to_host(out, s).view(np.float32)
@@ -343,6 +343,45 @@ def test_strided_copy_of_a_reversed_layout(device):
             device.reset_error()
         pytest.fail(f"strided_copy faulted the {device.kind} device: {exc}")
     np.testing.assert_array_equal(got, src[::-1])
+
+
+def test_strided_copy_cannot_be_named_by_callers(device):
+    """Its strides are data the kernel follows unchecked: launched by name it read host memory
+    anywhere (a segfault past a mapping on the host device; on CUDA, an illegal address that
+    ends the context). The runtime launches it with the strides it derived itself."""
+    s = device.per_thread_stream()
+    src = device.to_device(np.zeros(4, np.uint8), s)
+    meta = device.to_device(np.array([4, 1 << 40], np.int64).view(np.uint8)[:2], s)
+    out = device.empty((16,), np.uint8)
+    with pytest.raises(InvalidArgument, match="runtime only"):
+        device.prepare("strided_copy", [(4,), (2,)], [(16,)],
+                       {"n": 4, "rank": 1, "itemsize": 4}, dtype="uint8")
+    with pytest.raises(InvalidArgument, match="runtime only"):
+        device.launch("strided_copy", s, [src, meta], [out], {"n": 4, "rank": 1, "itemsize": 4})
+    device.synchronize()  # nothing was enqueued
+
+
+def test_prepare_extra_never_replaces_a_checked_param(device):
+    """extra (host-side objects, the latch's release event) was merged over the params after
+    their check: extra={"us": -5} spun for ~2**64 ns on CUDA and faulted the host device;
+    a NaN or 1e300 factor went through."""
+    for extra in ({"us": -5}, {"factor": float("nan")}, {3: 1}):
+        with pytest.raises(InvalidArgument, match="starting with '_'"):
+            device.prepare("spin" if "us" in extra else "scale", [] if "us" in extra else [(4,)],
+                           params={"us": 5} if "us" in extra else {"factor": 2.0},
+                           extra=extra)
+    assert not getattr(device, "lost", False)
+
+
+def test_launch_tells_minus_zero_from_zero(device):
+    """launch() cached its prepared launch by param value, and -0.0 == 0.0: after a fill of
+    -0.0, fill(0.0) wrote -0.0, and scale by -0.0 after scale by 0.0 kept the wrong signs."""
+    s = device.per_thread_stream()
+    out = device.empty((4,), np.float32)
+    for value in (-0.0, 0.0, np.float32(-0.0), np.float64(0.0)):
+        device.launch("fill", s, [], [out], {"value": value})
+        got = device.to_host(out, s)
+        assert np.signbit(got).tolist() == [bool(np.signbit(value))] * 4, value
 
 
 def test_layernorm_of_rows_spread_beyond_1e19(device):

@@ -1038,3 +1038,43 @@ def test_a_host_fault_is_raised_fresh_each_time_with_the_steps_error_as_cause(ho
     assert len({id(e) for e in seen}) == 3
     assert all(isinstance(e.__cause__, RuntimeError) for e in seen)
     assert "boom in a step" in str(seen[0])
+
+
+@pytest.mark.parametrize("consumer", ["reduce_sum", "softmax", "layernorm", "matmul"])
+def test_the_reference_gives_a_fill_its_declared_shape(device, consumer):
+    """fill's float64 reference is a 0-d value: a step reading it saw a scalar, so reduce_sum
+    gave [2.] for [8, 8, 8], softmax 1.0 for 0.25s, and layernorm and matmul raised numpy
+    errors, while the device was right."""
+    b = Program.build("f")
+    m = b.method("forward", x=("float32", [3, 4]))
+    f = m.step("fill", shape=(3, 4), value=2.0)
+    if consumer == "matmul":
+        m.output(m.step("matmul", f, m.step("fill", shape=(4, 2), value=1.0), out="y"))
+    else:
+        m.output(m.step(consumer, f, out="y"))
+    p = b.finish()
+    x = np.ones((3, 4), np.float32)
+    (want,) = run_reference(p, "forward", [x])
+    (got,) = p.method("forward", device=device)([x])
+    assert want.shape == got.shape
+    np.testing.assert_allclose(got.to_host(), want, rtol=1e-6, atol=1e-6)
+
+
+def test_the_reference_checks_its_inputs_as_set_inputs_does():
+    """run_reference checked only the count: a (2, 3) input to a [4, 16] method gave a (2, 3)
+    'reference', and a string a raw numpy ValueError."""
+    p = Program.build("r")
+    m = p.method("forward", x=("float32", [4, 16]))
+    m.output(m.step("relu", "x", out="y"))
+    p = p.finish()
+    for bad, match in ((np.ones((2, 3)), r"shape \[2, 3\]"), (np.array(["a"] * 64).reshape(4, 16),
+                       "dtype <U1"), (object(), "float32"), ("abc", "dtype")):
+        with pytest.raises(InvalidInput, match=match) as info:
+            run_reference(p, "forward", [bad])
+        assert info.value.index == 0
+    with pytest.raises(InvalidInput, match="1 inputs"):
+        run_reference(p, "forward", [])
+    with pytest.raises(InvalidArgument, match="no method 'back'"):
+        run_reference(p, "back", [np.ones((4, 16))])
+    x = np.arange(64, dtype=np.float64).reshape(4, 16) - 30  # any real dtype: float64 here
+    np.testing.assert_array_equal(run_reference(p, "forward", [x])[0], np.maximum(x, 0))

@@ -974,6 +974,11 @@ def test_the_builder_refuses_what_a_file_would_and_takes_what_it_can():
         with pytest.raises(InvalidProgram) as info:
             m.step("fill", shape=bad, value=1.0)
         assert info.value.path == "methods.f.steps[0].shape"
+    for bad, field in (((0,), "shape[0]"), ((2, -3), "shape[1]"), ((2 ** 31,), "shape[0]"),
+                       ((1,) * 9, "shape")):  # refused at the step, not blamed on its reader
+        with pytest.raises(InvalidProgram) as info:
+            m.step("fill", shape=bad, value=1.0)
+        assert info.value.path == f"methods.f.steps[0].{field}"
     assert m.step("fill", shape=np.array([3]), value=1.0)  # numpy integers are ints
     b = Program.build("filled")
     m = b.method("f", x=("float32", [3]))
