@@ -214,9 +214,10 @@ def _demo(args: argparse.Namespace, stdout: _Stdout) -> int:
 
         backend = "asyncio" if args.backend == "uvloop" else args.backend
         options = {"use_uvloop": True} if args.backend == "uvloop" else {}
+        run = _ctrl_c_cancels if backend == "trio" else _plain
         try:
-            results = anyio.run(run_demo, device, args.requests, args.out, progress, programs,
-                                backend=backend, backend_options=options)
+            results = anyio.run(run, run_demo, device, args.requests, args.out, progress,
+                                programs, backend=backend, backend_options=options)
         except StreamlaneError as exc:
             bar.stop()
             return _fail(f"failed: {type(exc).__name__}: {exc}", 1)
@@ -248,6 +249,46 @@ def _demo(args: argparse.Namespace, stdout: _Stdout) -> int:
     for message in failed:
         _fail(message, 1)
     return 0 if all(r.correct == r.checked for r in results) and not failed else 1
+
+
+async def _plain(fn: Any, *args: Any) -> Any:
+    """asyncio (uvloop too): its runner already turns the first Ctrl-C into a cancellation of
+    the main task and raises ``KeyboardInterrupt`` once the run has ended."""
+    return await fn(*args)
+
+
+async def _ctrl_c_cancels(fn: Any, *args: Any) -> Any:
+    """trio: the first Ctrl-C cancels the run, as asyncio's runner does, and is raised as
+    ``KeyboardInterrupt`` once the schedulers have drained. trio's own delivery raises it
+    wherever the main thread is: in a weakref callback, where it was swallowed (the demo ran
+    on and exited 0), or inside an import (an interpreter abort at exit). Once the first has
+    come, trio's delivery is back, so a second Ctrl-C stops at once."""
+    import signal
+
+    import anyio
+
+    interrupted = False
+    try:
+        async with anyio.create_task_group() as tg:
+            async def watch(*, task_status: Any) -> None:
+                nonlocal interrupted
+                with anyio.open_signal_receiver(signal.SIGINT) as signals:
+                    task_status.started()  # installed: from here on a Ctrl-C comes this way
+                    async for _ in signals:
+                        interrupted = True
+                        tg.cancel_scope.cancel()
+                        return
+
+            await tg.start(watch)
+            result = await fn(*args)
+            tg.cancel_scope.cancel()
+    except BaseExceptionGroup as group:  # trio's task group wraps the second Ctrl-C's
+        if group.split(KeyboardInterrupt)[1] is None:
+            raise KeyboardInterrupt from None
+        raise
+    if interrupted:
+        raise KeyboardInterrupt
+    return result
 
 
 if __name__ == "__main__":

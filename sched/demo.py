@@ -146,8 +146,8 @@ async def _run(config: str, device: Device, p: _Programs, xs: list[np.ndarray],
                     progress(i + 1)
             wall = time.perf_counter() - start
             timeline = sched.timeline()
-        except (KeyboardInterrupt, anyio.get_cancelled_exc_class()):  # Ctrl-C (asyncio: a
-            if sched.pending:  # cancellation, then KeyboardInterrupt; trio: KeyboardInterrupt)
+        except (KeyboardInterrupt, anyio.get_cancelled_exc_class()):  # Ctrl-C (asyncio, and
+            if sched.pending:  # trio under the command line: a cancellation; trio: KI)
                 print(f"streamlane demo: interrupted; the scheduler cancels what is not on the "
                       f"device yet and waits for what is ({sched.pending} jobs pending): "
                       f"Ctrl-C again to stop at once", file=sys.stderr, flush=True)
