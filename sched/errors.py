@@ -85,5 +85,5 @@ class TimingStallWarning(UserWarning):
     at its queue's head for the job's kernels, holding up the streams behind it: overlap stops
     near the number of queues (an H200: 7.5x for 128 two-ms spins on 128 streams, 42.6x without
     timing events, bench/results/queue-probe-cuda.txt). ``Scheduler(timing=False)`` removes the
-    stall (``timeline()`` is then empty); ``CUDA_DEVICE_MAX_CONNECTIONS=32``, set before CUDA
-    initializes in the process, moves the limit to 32 queues."""
+    stall (``timeline()`` then raises ``InvalidState``); ``CUDA_DEVICE_MAX_CONNECTIONS=32``, set
+    before CUDA initializes in the process, moves the limit to 32 queues."""

@@ -999,7 +999,13 @@ class Scheduler:
         return tuple(lane.statistics(locked=fresh) for lane in self.lanes)
 
     def timeline(self) -> Timeline:
-        """The device spans of the recent jobs (up to ``timeline_size``), as a ``Timeline``."""
+        """The device spans of the recent jobs (up to ``timeline_size``), as a ``Timeline``.
+        A scheduler made with ``timing=False`` records none: it raises ``InvalidState`` (an
+        empty timeline's ``overlap()`` of 0.0 would read as "no overlap", not "not measured")."""
+        if not self.timing:
+            raise InvalidState(f"{self!r} was made with timing=False: it records no timing "
+                               f"events, so there is no timeline to measure overlap from; make "
+                               f"it with timing=True (the default) to get one")
         self._bring_up_to_date()
         spans = list(self._spans)
         if len(spans) > self._timeline_size:  # recorded nearly in submit order: a quick sort

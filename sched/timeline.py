@@ -46,6 +46,9 @@ class Span:
         return self.end_s - self.start_s
 
 
+_HATCHES = ("", "//", "..", "xx", "\\\\", "oo")
+
+
 class Timeline:
     """An immutable snapshot of spans (``Scheduler.timeline()``)."""
 
@@ -147,9 +150,6 @@ class Timeline:
         and caller stream (past ``PLOT_ROWS`` tracks, the caller streams' spans packed into
         rows: ``_rows``). A path without a suffix gets ``.png``; another suffix than
         ``.png`` is refused. Returns the path written."""
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-
         path = _path(path, "plot")
         if not path.suffix:
             path = _path(path.with_name(path.name + ".png"), "plot")
@@ -157,20 +157,34 @@ class Timeline:
             raise InvalidArgument(f"Timeline.plot writes a PNG; give a path ending in .png, got "
                                   f"{str(path)!r} (to_chrome_trace() writes the JSON trace)")
         self._check_finite("plot")
+        fig = self._figure(title)
+        _write_file(path, lambda f: fig.savefig(f, format="png"))
+        return path
+
+    def _figure(self, title: str | None) -> Any:
+        """The plot's matplotlib Figure (on an Agg canvas)."""
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+
         tracks, rows = self._rows()
-        fig = Figure(figsize=(10, 1.2 + 0.5 * max(1, len(tracks))), dpi=100)
+        names = sorted({s.name for s in self.spans})
+        # Tall enough for its rows and for the legend beside them (~0.2 in per name at the
+        # small font): a short plot of many names cut the legend off at the bottom.
+        height = max(1.2 + 0.5 * max(1, len(tracks)), 0.9 + 0.21 * len(names))
+        fig = Figure(figsize=(10, height), dpi=100)
         FigureCanvasAgg(fig)
         ax = fig.add_subplot()
         t0 = self.spans[0].start_s if self.spans else 0.0
-        names = sorted({s.name for s in self.spans})
-        palette = [f"C{i % 10}" for i in range(len(names))]
-        colour = dict(zip(names, palette, strict=True))
+        # Ten colours, then the same ten hatched: names past the tenth stay told apart.
+        style = {n: (f"C{i % 10}", _HATCHES[i // 10 % len(_HATCHES)])
+                 for i, n in enumerate(names)}
         for row, spans in enumerate(rows):
             for name in names:
                 bars = [((s.start_s - t0) * 1e3, max(s.duration_s * 1e3, 1e-3))
                         for s in spans if s.name == name]
                 if bars:
-                    ax.broken_barh(bars, (row - 0.4, 0.8), facecolors=colour[name],
+                    colour, hatch = style[name]
+                    ax.broken_barh(bars, (row - 0.4, 0.8), facecolors=colour, hatch=hatch,
                                    edgecolor="black", linewidth=0.3)
         ax.set_yticks(range(len(tracks)), tracks)
         ax.set_ylim(-0.6, max(0.6, len(tracks) - 0.4))
@@ -184,13 +198,14 @@ class Timeline:
         if names:
             from matplotlib.patches import Patch
 
-            legend = ax.legend(handles=[Patch(color=colour[n], label=n) for n in names],
+            legend = ax.legend(handles=[Patch(facecolor=style[n][0], hatch=style[n][1],
+                                              edgecolor="black", linewidth=0.3, label=n)
+                                        for n in names],
                                loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
             for text in legend.get_texts():
                 text.set_parse_math(False)
         fig.tight_layout()
-        _write_file(path, lambda f: fig.savefig(f, format="png"))
-        return path
+        return fig
 
     def _check_finite(self, what: str) -> None:
         """A span's times in microseconds must be finite numbers: JSON has no NaN or infinity

@@ -13,7 +13,7 @@ import time
 import anyio
 import numpy as np
 import pytest
-from sched_helpers import BACKENDS, Interrupt, RaiseAt, data, spin_program
+from sched_helpers import BACKENDS, Interrupt, RaiseAt, data, double_program, spin_program
 
 from streamlane.runtime import Result
 from streamlane.runtime.errors import InvalidArgument
@@ -238,6 +238,23 @@ def test_caller_stream_rows_go_by_handle_and_plot_text_is_plain(tmp_path):
     assert t.tracks() == ["lane 0", "lane 0 stream 0x9", "lane 0 stream 0x10"]
     for title in (r"$\foo$", "cost $5 vs $6", "", None):
         assert t.plot(tmp_path / "t.png", title=title).read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("names", [3, 12, 40])
+def test_the_legend_fits_the_plot_and_every_name_has_its_own_look(names):
+    """Two rows of 12 method names: the figure's height followed the rows only, and the legend
+    beside them ran off the bottom (m8, m9 not drawn); past ten names colours repeated."""
+    t = Timeline([Span(i, f"m{i % names}", 0, f"lane {i % 2}", i * 1e-3, i * 1e-3 + 2e-3)
+                  for i in range(2 * names)])
+    fig = t._figure(None)
+    fig.canvas.draw()
+    (ax,) = fig.axes
+    legend = ax.get_legend()
+    box, page = legend.get_window_extent(), fig.bbox
+    assert box.y0 >= page.y0 - 1 and box.y1 <= page.y1 + 1, (box, page)
+    assert len(legend.get_texts()) == names
+    looks = {(tuple(p.get_facecolor()), p.get_hatch()) for p in legend.get_patches()}
+    assert len(looks) == names
 
 
 @pytest.mark.anyio
@@ -870,3 +887,20 @@ async def test_busy_time_counts_a_job_as_soon_as_its_await_returns(device):
                 await job
                 busy = sched.statistics()[0].busy_time_s
                 assert busy >= (i + 1) * 0.00025, busy
+
+
+@pytest.mark.anyio
+async def test_an_untimed_scheduler_has_no_timeline_to_read(host):
+    """With timing=False, timeline() gave an empty Timeline whose overlap() of 0.0 read as "no
+    overlap" rather than "not measured"."""
+    from streamlane.runtime.errors import InvalidState
+
+    method = double_program().method("forward", device=host)
+    with anyio.fail_after(30):
+        async with Scheduler(host, lanes=1, timing=False) as sched:
+            await sched.run(method, [data(0)])
+            with pytest.raises(InvalidState, match="timing=False"):
+                sched.timeline()
+            sched.clear_timeline()  # nothing to clear: fine
+            assert sched.statistics()[0].completed == 1
+
