@@ -451,13 +451,14 @@ class Lane:
     def _next_job(self) -> Any:
         """Lane thread: the next job to enqueue (None: stop). While jobs of more than one stream
         are in flight on the lane, waiting for it is cut short now and then to report those
-        done behind a job of another stream (``_look_behind_head``)."""
-        if not self._jobs.empty():  # more to enqueue (a burst): no scan, but a busy lane
-            now = time.monotonic()  # still looks every LOOK_EVERY_S (a lane kept busy by a
-            if now - self._looked >= LOOK_EVERY_S:  # steady flow never goes idle)
-                self._looked = now
-                if self._streams_in_flight() > 1:
-                    self._look_behind_head()
+        done behind a job of another stream (``_look_behind_head``), and a lane that other
+        submits keep busy looks at most every ``LOOK_EVERY_S`` between two jobs."""
+        now = time.monotonic()  # a steady flow of jobs may never leave the lane idle for
+        if now - self._looked >= LOOK_EVERY_S:  # LOOK_AFTER_S: it still looks this often
+            self._looked = now
+            if self._streams_in_flight() > 1:
+                self._look_behind_head()
+        if not self._jobs.empty():  # more to enqueue (a burst): no scan
             return self._jobs.get()
         timeout = LOOK_AFTER_S
         while self._streams_in_flight() > 1:
