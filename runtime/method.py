@@ -409,8 +409,13 @@ class Method:
             for run, ins, outs in self._steps:
                 run(stream, [arrays[k] for k in ins], [arrays[k] for k in outs])
         # A single output's buffer lends its event: no Result holds that buffer now, so no
-        # live Result's event moves (see PooledBuffer). Several outputs: a new event.
-        event = pooled[0].event if len(pooled) == 1 else device.create_event()
+        # live Result's event moves (see PooledBuffer). Several outputs, or a Result read
+        # (``used`` holds more than our outputs), a new event: the read Result's buffer keeps
+        # this event as the end of the read (rule 8), and a lent one is re-recorded by a
+        # later execute of ours, on any stream, which the buffer's next writer would then
+        # wait for (behind a latch there: for ever). CUDA takes a new one from its spares.
+        lend = len(pooled) == 1 and len(used) == 1
+        event = pooled[0].event if lend else device.create_event()
         # stream.record without its re-checks; the stream was checked before the first step,
         # but another thread may have closed it since (a created stream a CallerStream holds
         # is not pinned): a record there would fail, so it is refused here, before the event

@@ -74,11 +74,12 @@ class PooledBuffer:
 
     def __init__(self, array: DeviceArray, event: Event):
         self.array = array
-        # Recorded after each execute that writes the buffer (methods of one output), and
-        # reused: while a Result holds the buffer the writer takes another one, so a live
-        # Result's event never moves. Others
-        # that kept the event (a method's last event, a buffer's uses) may see it re-recorded
-        # later on: they then wait for later work of the same method, never for less.
+        # Recorded after each execute that writes the buffer and reads no Result (methods of
+        # one output), and reused: while a Result holds the buffer the writer takes another
+        # one, so a live Result's event never moves. What else kept the event (the method's
+        # last event, its own memory's uses) may see it re-recorded later on: it then waits
+        # for later work of the same method, which it orders after anyway. Another method's
+        # buffer never keeps it (Method._enqueue).
         self.event = event
         self.held = False  # a live holder (Result or export) references it
         self.exported = False  # handed to another library since its last write

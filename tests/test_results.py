@@ -227,6 +227,42 @@ def rewrite_waits_for_the_held_read(producer, x, latch, stream, read, want, fact
     np.testing.assert_array_equal(again.to_host(), factor * x)
 
 
+def test_a_finished_read_does_not_tie_the_producer_to_the_readers_later_work(device):
+    """C read P's output on s2 and finished; later C ran again on s3, behind a latch, on other
+    input. The read's mark on P's buffer was C's reusable output event, which C's later
+    execute re-recorded on s3: P's next execute waited for the latch on s3 (a deadlock when
+    the latch is released only after P's result is read). Rule 8 asks for the read only."""
+    p, c = scaler().method("forward", device=device), scaler(factor=3.0).method(
+        "forward", device=device)
+    s1, s2, s3 = device.create_stream(), device.create_stream(), device.create_stream()
+    x = rand()
+    with CallerStream(s1):
+        (y,) = p([x])
+    with CallerStream(s2):
+        (z,) = c([y])
+    np.testing.assert_array_equal(z.to_host(), 6 * x)
+    del y, z
+    other = Result.from_host(rand(), device)
+    with device.create_latch() as latch:
+        latch.hold(s3)
+        with CallerStream(s3):
+            (held,) = c([other])  # C's later work, behind the latch
+        for _ in range(3):  # both of P's buffers, and again
+            with CallerStream(s1):
+                (y,) = p([2 * x])
+            done = s1.record()
+            deadline = time.monotonic() + 5
+            while not done.query() and time.monotonic() < deadline:
+                time.sleep(0.001)
+            assert done.query(), "P's execute on s1 waited for C's later work on s3"
+            with CallerStream(s1):
+                np.testing.assert_array_equal(y.to_host(), 4 * x)
+        assert not held.ready()  # (the latch still holds C's later work)
+        latch.release()
+    with CallerStream(s3):
+        np.testing.assert_array_equal(held.to_host(), 3 * other.to_host())
+
+
 def test_consumer_on_another_stream_never_sees_overwritten_data(device):
     """Rule 8: the producer's next execute must not rewrite a buffer that a consumer on another
     stream has not read yet, even after the result object was dropped."""
@@ -273,11 +309,13 @@ def test_a_long_lived_input_read_under_a_stream_per_request_stays_bounded(device
 
 
 def test_pruning_a_buffers_readers_keeps_every_stream_a_shared_event_orders(host):
-    """A method's pooled output event is re-recorded on each stream the method runs on, so
-    several readers' entries may hold one event. An earlier pruning kept one key per event:
-    here s1's, while the event's latest record was on s2, held by a latch; a rewrite on s1
-    skipped its own stream's entry and overwrote the buffer s2 had yet to read (found by a
-    review of the pruning)."""
+    """A method's pooled output event was re-recorded on each stream the method ran on, and
+    its reads of a Result were marked with it, so several readers' entries held one event. An
+    earlier pruning kept one key per event: here s1's, while the event's latest record was on
+    s2, held by a latch; a rewrite on s1 skipped its own stream's entry and overwrote the
+    buffer s2 had yet to read (found by a review of the pruning). Reads are now marked with
+    events of their own (test_a_finished_read_does_not_tie_the_producer_to_the_readers_...):
+    the same sequence must still keep the held read safe through the pruning."""
     from streamlane.runtime.memory import PRUNE_USES_AT
 
     producer = scaler(shape=(4,), factor=1.0).method("forward", device=host)
@@ -297,7 +335,7 @@ def test_pruning_a_buffers_readers_keeps_every_stream_a_shared_event_orders(host
         with CallerStream(s2):
             latch.hold(s2)
             held = reader([r])[0]  # must read x0
-        assert uses[s1.key] is uses[s2.key], "the case under test: one event, two streams"
+        assert uses[s1.key] is not uses[s2.key], "each read keeps a mark of its own"
         for _ in range(PRUNE_USES_AT - len(uses)):  # readers on new streams: the pruning runs
             with host.create_stream() as t, CallerStream(t):
                 filler([r])[0].to_host()
