@@ -94,7 +94,14 @@ class Report:
         self.data: dict[str, Any] = {
             "benchmark": name, "date": datetime.datetime.now(datetime.UTC).isoformat(),
             "commit": commit(), "device": device_info(device), "quick": quick,
-            "env": {k: os.environ.get(k) for k in ENV}, "sections": {}}
+            "env": {k: os.environ.get(k) for k in ENV}, "absent": {}, "sections": {}}
+
+    def absent(self, peer: str, why: str) -> None:
+        """Record (and say) that a peer or a configuration was not measured, and why: its rows
+        and columns are missing from the tables, not made up."""
+        if peer not in self.data["absent"]:
+            self.data["absent"][peer] = why
+            print(f"not measured: {peer} ({why})")
 
     def section(self, title: str, rows: list[dict[str, Any]], note: str = "") -> None:
         self.data["sections"][title] = {"rows": rows, "note": note}
@@ -104,10 +111,13 @@ class Report:
         table = Table(title=title, caption=note or None)
         keys = list(dict.fromkeys(k for r in rows for k in r))
         for k in keys:
-            table.add_column(k)
+            table.add_column(k, no_wrap=True)
         for r in rows:
             table.add_row(*[_fmt(r.get(k)) for k in keys])
-        Console(width=140).print(table)
+        # As wide as its columns (a 24-column overlap table cut every header to "ra…" at a
+        # fixed 140); at least 140, so that the caption wraps as before.
+        width = sum(max([len(k)] + [len(_fmt(r.get(k))) for r in rows]) + 3 for k in keys)
+        Console(width=max(140, width + 1)).print(table)
 
     def error(self, title: str, exc: BaseException) -> None:
         self.data["sections"][title] = {"error": repr(exc)}

@@ -11,6 +11,7 @@ Usage: python bench/bench_overhead.py [--out F]
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import statistics
 import sys
@@ -84,7 +85,11 @@ def main() -> None:
                      "call_min_us": c_min, "call_median_us": c_med})
     rep.section("Python cost per call (null device)", rows,
                 "no driver work: the runtime's bookkeeping only")
-    rep.section("scheduler on the null device", [sched_row(dev, b) for b in BACKENDS],
+    backends = [b for b in BACKENDS if importlib.util.find_spec(b if b != "asyncio" else "anyio")]
+    for b in BACKENDS:
+        if b not in backends:
+            rep.absent(f"the {b} event loop", f"{b} is not installed (pip install {b})")
+    rep.section("scheduler on the null device", [sched_row(dev, b) for b in backends],
                 "await latency of sched.run (1 lane, sequential) and throughput (4 lanes, 500 "
                 "tasks x 10 runs): thread hand-offs and Python only")
     rep.write(args.out)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
+import importlib.util
 import json
 import os
 import subprocess
@@ -36,6 +37,19 @@ from streamlane.runtime import Program, Result, get_device
 from streamlane.runtime import method as method_module
 
 RNG = np.random.default_rng()
+
+
+def peer(rep: Report, dev: Any, name: str) -> bool:
+    """Whether the peer ``name`` ("raw", "torch", "cupy") can run here; if not, the report
+    says it was not measured and why (its rows are missing, not made up)."""
+    if dev.kind != "cuda":
+        rep.absent(name if name != "raw" else "raw cuda-python",
+                   f"needs a CUDA device; this run is on {dev.name}")
+        return False
+    if name != "raw" and importlib.util.find_spec(name) is None:
+        rep.absent(name, f"{name} is not installed")
+        return False
+    return True
 
 
 def cupy_stream(cp: Any, stream: Any) -> Any:
@@ -112,7 +126,7 @@ def bench_launch(dev: Any, rep: Report, q: bool) -> None:
                           inner, sync(dev))
     rows.append({"path": "streamlane device.launch (validates every call)",
                  "us_per_launch": t_checked})
-    if dev.kind == "cuda":
+    if peer(rep, dev, "raw"):
         raw = RawLaunch(dev, "scale", [x], [y], {"factor": 2.0})
         t_raw = median_us(raw, reps, inner, sync(dev))
         rows.append({"path": "raw cuLaunchKernel (cuda.bindings), (values, types) args",
@@ -189,7 +203,7 @@ def bench_kernels(dev: Any, rep: Report, q: bool) -> None:
     s.record(end)
     end.synchronize()
     rows.append({"kernel": "spin", "shapes": "us=2000", "rel_err": None,
-                 "max_abs_err": None, "all_written": f"{start.elapsed_ms(end):.3f} ms"})
+                 "max_abs_err": None, "measured": f"{start.elapsed_ms(end):.3f} ms"})
     with dev.create_latch() as latch:
         latch.hold(s)
         held = s.record()
@@ -198,7 +212,7 @@ def bench_kernels(dev: Any, rep: Report, q: bool) -> None:
         latch.release()
         held.synchronize()
     rows.append({"kernel": "latch", "shapes": "", "rel_err": None, "max_abs_err": None,
-                 "all_written": f"held={was_held}, released"})
+                 "measured": f"held={was_held}, released"})
     rep.section("kernels: device vs float64 reference (fresh random data, NaN-poisoned out)",
                 rows)
 
@@ -227,7 +241,7 @@ def bench_execute(dev: Any, rep: Report, q: bool) -> None:
         t_exec = median_us(m.execute, reps, inner, sync(dev))
         t_call = median_us(lambda m=m: m([x]), reps, inner, sync(dev))
         row = {"steps": steps, "execute_us": t_exec, "call_us": t_call}
-        if dev.kind == "cuda":
+        if peer(rep, dev, "raw"):
             bufs = [dev.empty((1024,), "float32", s) for _ in range(steps + 1)]
             raws = [RawLaunch(dev, "scale", [bufs[i]], [bufs[i + 1]], {"factor": 1.0001})
                     for i in range(steps)]
@@ -314,6 +328,9 @@ def split_reference(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 
 def bench_split(dev: Any, rep: Report, q: bool) -> None:
+    if dev.kind == "cuda" and importlib.util.find_spec("cupy") is None:
+        rep.absent("split", "its callable steps run CuPy on CUDA, and cupy is not installed")
+        return
     program, w = split_program(dev)
     runs = 10 if q else 40
     rows = []
@@ -331,10 +348,11 @@ def bench_split(dev: Any, rep: Report, q: bool) -> None:
                 if not np.linalg.norm(got - ref) <= 1e-3 * np.linalg.norm(ref):
                     wrong += 1
             same = m([x])[0].to_host()
+            repeats = 10 if q else 100
             repeat_equal = all(np.array_equal(m([x])[0].to_host(), same)
-                               for _ in range(10 if q else 100))
+                               for _ in range(repeats))
             rows.append({"mode": mode, "median_latency_us": float(np.median(times)),
-                         f"wrong_of_{runs}": wrong, "same_input_100x_equal": repeat_equal})
+                         f"wrong_of_{runs}": wrong, f"same_input_{repeats}x_equal": repeat_equal})
             dev.synchronize()
         finally:
             method_module._PRIVATE_STREAM_PER_STEP = False
@@ -363,7 +381,7 @@ def bench_loop(dev: Any, rep: Report, q: bool) -> None:
     rows = [{"impl": "streamlane: out = m(x)[0]", "us_per_call": t_ours,
              "allocations_in_loop": dev.stats.allocations - allocs}]
     np.testing.assert_array_equal(out.to_host(), np.maximum(x.to_host(), 0))
-    if dev.kind == "cuda":
+    if peer(rep, dev, "torch"):
         import torch
 
         xt = torch.from_numpy(x.to_host()).cuda()
@@ -404,7 +422,7 @@ def bench_chain(dev: Any, rep: Report, q: bool) -> None:
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
     rows = [{"impl": "streamlane", "us_per_call": float(np.median(times)),
              "host_waits_per_call": float(np.median(waits))}]
-    if dev.kind == "cuda":
+    if peer(rep, dev, "torch"):
         import torch
 
         ttimes = []
@@ -428,14 +446,19 @@ SECTIONS = {"launch": bench_launch, "compile": bench_compile, "kernels": bench_k
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--only", default="")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--device", default="auto", help="auto, cuda or host")
+    ap.add_argument("--quick", action="store_true", help="fewer repeats and smaller sizes")
+    ap.add_argument("--only", default="", metavar="A,B",
+                    help=f"sections to run, of {', '.join(SECTIONS)} (default: all)")
+    ap.add_argument("--out", default=None, help="the JSON to write (default: "
+                    "bench/results/runtime-<device kind>.json)")
     args = ap.parse_args()
+    only = [s for s in args.only.split(",") if s] or list(SECTIONS)
+    unknown = [s for s in only if s not in SECTIONS]
+    if unknown:
+        ap.error(f"--only: no section {', '.join(unknown)}; sections: {', '.join(SECTIONS)}")
     dev = get_device(args.device)
     rep = Report("runtime", dev, args.quick)
-    only = [s for s in args.only.split(",") if s] or list(SECTIONS)
     for name in only:
         try:
             SECTIONS[name](dev, rep, args.quick)

@@ -44,9 +44,11 @@ def main(argv: list[str] | None = None) -> int:
     settled = {"loop": 0, "waiter": 0}
     real_settle = lane_module.Lane._settle
 
-    def settle(self: Any, batch: list[Any], error: Any, on_loop: bool = False) -> None:
-        settled["loop" if on_loop else "waiter"] += sum(1 for job in batch if not job._claimed)
-        real_settle(self, batch, error, on_loop)
+    def settle(self: Any, batch: list[Any], error: Any) -> Any:
+        # Lane._settle runs on a lane's waiter (or lane) thread only: what it claims was not
+        # settled by the loop's poll (the rest of the awaits were).
+        settled["waiter"] += sum(1 for job in batch if not job._claimed)
+        return real_settle(self, batch, error)
 
     lane_module.Lane._settle = settle  # type: ignore[method-assign]
 
@@ -69,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
                 us = np.asarray(anyio.run(awaits, poll_us)) / 1e3
             finally:
                 gc.enable()
+            settled["loop"] = args.awaits + 200 - settled["waiter"]
             slow = np.nonzero(us > 3 * np.median(us))[0]
             gaps = np.diff(slow)[:15].tolist() if len(slow) > 1 else []
             print(f"poll {poll_us:g} us, gc {'on' if collect else 'off'}: p50/90/99/99.9 "

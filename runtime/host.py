@@ -61,9 +61,11 @@ class _Worker:
 
     def put(self, item: Callable[[], None]) -> None:
         with self._lock:  # a stop() between the check and the put would strand the item
-            if self.stopped:  # a borrowed handle of a stream its owner closed: work is lost
-                raise StreamClosed(f"host stream {self.id:#x} was destroyed by its owner; work "
-                                   f"given to it (through a borrowed handle) would never run")
+            if self.stopped:  # a borrowed handle of a stream its owner closed, or a close()
+                # on another thread after this work's own check of the stream: it is lost
+                raise StreamClosed(f"host stream {self.id:#x} was destroyed by its owner (a "
+                                   f"close() of it, perhaps on another thread while this work "
+                                   f"was being queued); work given to it would never run")
             self.queue.put(item)
 
     def stop(self) -> None:
