@@ -126,9 +126,22 @@ class Report:
     def write(self, out: str | None) -> Path:
         path = Path(out) if out else RESULTS / f"{self.name}-{self.data['device']['kind']}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.data, indent=1, default=str) + "\n")
+        # A figure not measured is None: NaN or infinity would make the file invalid JSON.
+        path.write_text(json.dumps(_finite(self.data), indent=1, default=str,
+                                   allow_nan=False) + "\n")
         print(f"wrote {path}")
         return path
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every non-finite float replaced by None (JSON has neither)."""
+    if isinstance(value, float):
+        return value if value == value and abs(value) != float("inf") else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def _fmt(v: Any) -> str:

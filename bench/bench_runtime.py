@@ -10,7 +10,8 @@
   loop        out = m([x])[0] on 2048x2048 float32: per call and allocations vs torch
   chain       8 dependent calls each with a host upload: per call and host waits vs torch
 
-Usage: python bench/bench_runtime.py [--device auto|cuda|host] [--quick] [--only a,b] [--out F]
+Usage: python bench/bench_runtime.py [--device auto|cuda|host] [--quick] [--only launch,execute]
+       [--out F]
 """
 
 from __future__ import annotations

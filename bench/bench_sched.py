@@ -8,7 +8,8 @@
 (c) throughput: 1,000 concurrent tasks awaiting tiny programs on 4 lanes;
 (d) the cost of a cross-lane after=: a two-job chain on two lanes vs on one lane.
 
-Usage: ``python bench/bench_sched.py [--device auto|host|cuda] [--quick] [--only a,b] [--out F]``
+Usage: ``python bench/bench_sched.py [--device auto|host|cuda] [--quick]
+[--only latency,overlap] [--out F]``
 (sections: latency, overlap, throughput, after). It prints a table per section and writes every
 figure, with the date, commit and device, to ``bench/results/sched-<kind>.json``. GPU figures
 are absolute; host-device figures are only meaningful as ratios.
@@ -358,9 +359,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None,
                         help="JSON path (default: bench/results/sched-<kind>.json)")
     args = parser.parse_args(argv)
+    only = [s for s in args.only.split(",") if s] or list(SECTIONS)
+    unknown = [s for s in only if s not in SECTIONS]
+    if unknown:
+        parser.error(f"--only: no section {', '.join(unknown)}; sections: {', '.join(SECTIONS)}")
     dev = get_device(args.device)
     rep = Report("sched", dev, args.quick)
     rep.data["loops"] = backends_available()
+    for name in ("uvloop", "trio"):
+        if name not in rep.data["loops"]:
+            rep.absent(f"the {name} event loop", f"{name} is not installed")
     raw = None
     if dev.kind == "cuda":
         try:
@@ -369,7 +377,13 @@ def main(argv: list[str] | None = None) -> int:
             raw = RawCuda(dev.index)
         except Exception as exc:  # report streamlane's figures even if the peer breaks
             rep.error("raw cuda-python peer", exc)
-    only = [s for s in args.only.split(",") if s] or list(SECTIONS)
+            rep.absent("raw cuda-python (the floor, raw streams)", f"failed: {exc!r}")
+    else:
+        rep.absent("raw cuda-python (the floor, raw streams)",
+                   f"needs a CUDA device; this run is on {dev.name}")
+    if raw is None or not importlib.util.find_spec("torch"):
+        rep.absent("torch + to_thread", "needs a CUDA device and torch" if raw is None
+                   else "torch is not installed")
     for name in only:
         t = time.perf_counter()
         try:

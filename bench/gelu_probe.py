@@ -9,6 +9,7 @@ more than tanhf where the data comes from L2 (small arrays) or HBM (large ones).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import sys
@@ -30,6 +31,7 @@ SIZES = (1 << 16, 1 << 20, 1 << 24, 1 << 28)
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()  # --help
     spec = get_kernel("gelu")
     table = dict(library.KERNELS)
     table["gelu_tanh"] = dataclasses.replace(

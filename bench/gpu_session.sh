@@ -4,7 +4,10 @@
 #       STREAMLANE_COMMIT=<hash> bash bench/gpu_session.sh")
 # Every cuda-marked test (a hang inside the driver is cut by the thread timeout method, which
 # dumps every stack and ends pytest: the GPU-fault test runs on its own, last, so a hang there
-# cannot hide the others), the demo, then every benchmark. Outputs land under $OUT.
+# cannot hide the others), the demo, then bench_runtime, bench_sched, driver_calls and the
+# overlap with 32 hardware queues (the probes run on their own). Outputs land under $OUT, named
+# without the commit: copy what is kept into bench/results/ as <name>-<commit>. Needs the
+# test extras (pytest-timeout, hypothesis) installed on the machine.
 # SKIP="tests demo runtime sched calls conn32" leaves parts out.
 set -uo pipefail
 out=${OUT:-/tmp/streamlane-gpu}

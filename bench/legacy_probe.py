@@ -10,12 +10,14 @@ latch's release.
 Usage: ``python bench/legacy_probe.py`` (needs a GPU); ``results/legacy-probe-cuda.txt``.
 """
 
+import argparse
 import time
 
 import numpy as np
 
 from streamlane.runtime import CallerStream, Program, get_device
 
+argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()  # --help
 dev = get_device("cuda")
 b = Program.build("p")
 mb = b.method("forward", x=("float32", [4]))

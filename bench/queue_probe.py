@@ -12,6 +12,7 @@ to compare); prints one line per case: the speedup over running the N spins on o
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import sys
@@ -58,6 +59,7 @@ def raw_case(raw: RawCuda, streams: list[Any], n: int, before: bool, timing_afte
 
 
 def main() -> int:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()  # --help
     dev = get_device("cuda")
     raw = RawCuda()
     streams = [raw.stream() for _ in range(max(COUNTS))]
