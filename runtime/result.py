@@ -25,7 +25,7 @@ import numpy as np
 
 from .dtypes import as_host_array, dtype_name
 from .errors import InvalidArgument
-from .memory import PRUNE_USES_AT, Buffer, DeviceArray, prune_uses
+from .memory import PRUNE_USES_AT, Buffer, DeviceArray, _reached, prune_uses
 from .stream import LEGACY_HANDLE, Stream, current_stream
 
 if TYPE_CHECKING:
@@ -152,7 +152,9 @@ class OutputPool:
     concurrency, even in waves, allocates nothing, and a burst's buffers are returned within
     two windows after it. With more than two buffers the search for a free one starts after
     the last one taken (Results are mostly dropped oldest first), so an execute does not rescan
-    the held ones."""
+    the held ones, and it passes by a free one still read on another stream if another is free
+    (and a trim leaves such a one for a later window): the device would otherwise make the
+    execute wait for that read. With two, the one free buffer is taken, with that wait."""
 
     __slots__ = ("buffers", "make", "most", "quiet", "turn")
 
@@ -179,16 +181,30 @@ class OutputPool:
         start = self.turn
         self.quiet += 1
         check = self.quiet % _CHECK_EVERY == 0
+        fallback = -1
         for k in range(n):
             i = start + k if start + k < n else start + k - n
             pooled = buffers[i]
             if not pooled.held:
-                self.turn = i + 1
-                if check:
-                    self._check(pooled, stream)
-                pooled.prepare_write(stream)
-                return pooled
+                # One whose readers on other streams are done, if any: the device would make
+                # this execute wait for a read still queued elsewhere (behind a long kernel, a
+                # held latch), while another buffer is free. None: the first, with that wait.
+                if not _readers_done(pooled, stream.key):
+                    if fallback < 0:
+                        fallback = i
+                    continue
+                return self._write(i, check, stream)
+        if fallback >= 0:
+            return self._write(fallback, check, stream)
         return self._grow(stream)
+
+    def _write(self, i: int, check: bool, stream: Stream) -> PooledBuffer:
+        pooled = self.buffers[i]
+        self.turn = i + 1
+        if check:
+            self._check(pooled, stream)
+        pooled.prepare_write(stream)
+        return pooled
 
     def _grow(self, stream: Stream) -> PooledBuffer:
         pooled = self.make(stream)
@@ -204,12 +220,24 @@ class OutputPool:
         self.most = max(self.most, len(buffers) - len(idle) - 1)  # ``keep`` is not held
         if self.quiet < max(TRIM_AFTER, len(buffers)):
             return
+        # Freed on this stream, after its readers: not one still read elsewhere (this execute
+        # would wait for that read though it writes another buffer); a later window takes it.
+        idle = [b for b in idle if _readers_done(b, stream.key)]
         for pooled in idle[:len(buffers) - max(2, 2 * self.most)]:
             pooled.prepare_write(stream)
             buffers.remove(pooled)
             pooled.array.buffer.free(stream)
         self.turn = buffers.index(keep) + 1
         self.quiet = self.most = 0
+
+
+def _readers_done(pooled: PooledBuffer, key: Any) -> bool:
+    """Whether every use of ``pooled`` on a stream other than ``key`` has been reached (one
+    event query each; none for a buffer used on ``key`` only, the common case)."""
+    uses = pooled.array.buffer.uses
+    if not uses or (len(uses) == 1 and key in uses):
+        return True
+    return all(k == key or _reached(e) for k, e in uses.copy().items())
 
 
 class _Holder:
@@ -290,8 +318,23 @@ class Result:
         stream = current_stream(device)
         self.wait_on(stream)
         out = np.empty(self.array.shape, self.array.dtype)
-        device.copy_to_host(out, self.array, stream)
+        source, staged = self.array, None
+        if self.view_only:
+            # Its method rewrites it at its next execute, which must wait for this read once
+            # it is enqueued (rule 8), as for a consumer method's (a held Result's buffer is
+            # not reused). A copy into numpy (pageable) memory returns only once done, so the
+            # read could be noted only after it: the view is copied on the device first, and
+            # that copy is what its next execute waits for.
+            source = staged = device.empty(self.array.shape, self.array.dtype, stream)
+            device.copy(staged, self.array, stream)
+            uses = self.array.buffer.uses
+            uses[stream.key] = stream.record()
+            if len(uses) >= PRUNE_USES_AT:
+                prune_uses(uses, stream.key)
+        device.copy_to_host(out, source, stream)
         stream.record().synchronize()
+        if staged is not None:
+            staged.buffer.free(stream)
         self._complete = True
         return out
 

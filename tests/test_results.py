@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import threading
 import time
 
 import ml_dtypes
@@ -118,6 +119,47 @@ def test_a_burst_of_held_results_is_freed_after_two_windows(device):
     np.testing.assert_array_equal(out.to_host(), 2 * x)
 
 
+def test_a_buffer_still_read_elsewhere_is_neither_rewritten_nor_freed_while_others_are_free(
+        device):
+    """A pool of four: one dropped buffer still read by a consumer held behind a latch on
+    another stream. The search took it in its turn (the producer's execute then waited for
+    the latch though three other buffers were free), and the trim freed it on the writer's
+    stream after its readers (the execute that trims waited the same way). Both now pass it
+    by; once the read is done, the pool shrinks as before."""
+    p = scaler(shape=(16,)).method("forward", device=device)
+    consumer = scaler(shape=(16,), factor=3.0).method("forward", device=device)
+    x = rand((16,))
+    s1 = device.create_stream()
+    with CallerStream(s1):
+        outs = [p([x])[0] for _ in range(4)]
+        outs[-1].to_host()
+    assert len(p._pools[0]) == 4
+    with device.create_latch() as latch, device.create_stream() as held:
+        latch.hold(held)
+        with CallerStream(held):
+            read = consumer([outs[2]])[0]
+        consumer.set_inputs([x])  # it lets go of the Result; its read is still queued
+        del outs
+        for i in range(3 * TRIM_AFTER):  # every buffer's turn, and two trims
+            with CallerStream(s1):
+                (y,) = p([x])
+                done = s1.record()
+            deadline = time.monotonic() + 5
+            while not done.query() and time.monotonic() < deadline:
+                time.sleep(0.001)
+            assert done.query(), f"execute {i} waited for the read held on another stream"
+        assert not read.ready()
+        latch.release()
+        with CallerStream(held):
+            np.testing.assert_array_equal(read.to_host(), 6 * x)
+    for _ in range(3 * TRIM_AFTER):
+        with CallerStream(s1):
+            (y,) = p([x])
+    assert len(p._pools[0]) == 2
+    with CallerStream(s1):
+        np.testing.assert_array_equal(y.to_host(), 2 * x)
+
+
 def test_a_result_known_ready_needs_no_device_wait(device, monkeypatch):
     """An input uploaded once and reused (weights, a constant) costs no stream wait per execute
     once it is known ready; until then every consumer stream waits for it."""
@@ -164,6 +206,35 @@ def test_a_view_read_on_another_stream_is_not_overwritten_before_the_read(device
         latch.release()
         with CallerStream(held):
             np.testing.assert_allclose(read.to_host(), 6 * x1, rtol=1e-6)
+    np.testing.assert_array_equal(r2.to_host(), 2 * x2)
+
+
+def test_a_views_to_host_enqueued_on_another_stream_is_not_overwritten(device):
+    """clone_outputs=False: the same with the read a to_host() on another thread's stream (held
+    by a latch): it never noted its read among the buffer's readers, so the next execute
+    rewrote the view first and the reader got the new data (10 of 10 in a review)."""
+    m = scaler().method("forward", device=device, clone_outputs=False)
+    x1, x2 = rand(), rand()
+    with device.create_latch() as latch, device.create_stream() as held:
+        (r1,) = m([x1])
+        r1.to_host()
+        latch.hold(held)
+        box = {}
+
+        def reader() -> None:
+            with CallerStream(held):
+                box["read"] = r1.to_host()
+
+        t = threading.Thread(target=reader)
+        t.start()
+        time.sleep(0.2)  # its copy is enqueued behind the latch; to_host() now waits
+        (r2,) = m([x2])
+        time.sleep(0.05)
+        assert not r2.ready(), "the next execute overwrote the view before its read"
+        latch.release()
+        t.join(10)
+        assert not t.is_alive()
+    np.testing.assert_allclose(box["read"], 2 * x1, rtol=1e-6)
     np.testing.assert_array_equal(r2.to_host(), 2 * x2)
 
 
