@@ -448,6 +448,33 @@ async def test_leaving_normally_drains_pending_jobs(device):
         np.testing.assert_array_equal(job.results[0].to_host(), data(i))
 
 
+async def test_a_job_given_up_on_fails_the_exit_unless_handed_to_a_task_that_forgets_it(host):
+    """README's "Serving requests": an await cancelled before its job failed leaves the error
+    unseen, so leaving the scheduler raises it; a task that awaits the job and suppresses its
+    error (the pattern README gives) takes it out of the way."""
+    import contextlib
+
+    from streamlane.runtime.errors import StreamlaneError
+
+    method = double_program().method("forward", device=host)
+    bad = np.zeros((2, 2), np.float32)  # the wrong shape: the job fails when its lane runs it
+
+    async def forget(job):
+        with contextlib.suppress(StreamlaneError):
+            await job
+
+    for handed in (False, True):
+        with anyio.fail_after(30):
+            with pytest.raises(InvalidInput) if not handed else contextlib.nullcontext():
+                async with Scheduler(host, lanes=1) as sched, anyio.create_task_group() as tg:
+                    job = await sched.submit(method, [bad])
+                    with anyio.move_on_after(0):  # the client gave up
+                        await job
+                    if handed:
+                        tg.start_soon(forget, job)
+            assert job.state == "failed"
+
+
 async def test_leaving_on_an_error_cancels_jobs_not_yet_enqueued(device):
     method = double_program().method("forward", device=device)
     gate = Gate(data(0))
