@@ -11,6 +11,7 @@ import math
 import os
 import re
 import stat
+import tokenize
 import unicodedata
 import uuid
 import zipfile
@@ -360,6 +361,9 @@ class MethodBuilder:
         output's name (``out`` or a fresh one)."""
         where = f"{member_path('methods', self.name)}.steps[{len(self._steps)}]"
         spec = _program_kernel(kernel, where)  # as the file validator says it
+        if out is not None and (not isinstance(out, str) or not _NAME.fullmatch(out)):
+            raise InvalidProgram(f"{where}.out[0]", "a name of letters, digits, '_', '.', '-' "
+                                 "(at most 128, not starting with a digit), or no out", out)
         known = []
         for j, name in enumerate(ins):
             decl = self._known(name)
@@ -681,8 +685,9 @@ def _read_npz(folder: Path, name: str, headers_only: bool = False) -> dict[str, 
     except InvalidProgram:
         raise
     except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile, zlib.error,
-            NotImplementedError, RuntimeError) as exc:  # NotImplemented: compression method;
-        # RuntimeError: an encrypted member
+            NotImplementedError, RuntimeError, SyntaxError, tokenize.TokenError) as exc:
+        # NotImplemented: compression method; RuntimeError: an encrypted member; SyntaxError,
+        # TokenError: a damaged .npy header (numpy reads it with ast.literal_eval)
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else \
             f"{type(exc).__name__}: {exc}"  # strerror: without a file descriptor's number
         raise InvalidProgram("constants", f"a readable .npz file {name} (at "
