@@ -254,12 +254,12 @@ class Device(ABC):
         spec = _public_kernel(kernel)
         return self._prepare(spec, in_shapes, out_shapes, params, dtype, extra)
 
-    def _prepare(self, spec: KernelSpec | str, in_shapes: Sequence[Sequence[int]],
+    def _prepare(self, spec: KernelSpec, in_shapes: Sequence[Sequence[int]],
                  out_shapes: Sequence[Sequence[int]] | None,
                  params: Mapping[str, Any] | None, dtype: str = "float32",
                  extra: Mapping[str, Any] | None = None) -> PreparedLaunch:
         """``prepare`` for the runtime itself: internal kernels (``strided_copy``) too."""
-        kernel = spec if isinstance(spec, str) else spec.name
+        kernel = spec.name
         _check_params(params, kernel)
         if extra is not None and not isinstance(extra, Mapping):
             raise InvalidArgument(f"prepare({kernel!r}): extra must be a mapping of name to "
@@ -275,8 +275,6 @@ class Device(ABC):
             if not listed and not (shapes is None and what == "out_shapes"):
                 raise InvalidArgument(f"prepare({kernel!r}): {what} must be a list of shapes, "
                                       f"got {type(shapes).__name__}")
-        if isinstance(spec, str):
-            spec = _kernel(spec)
         if dtype not in spec.dtypes:
             raise InvalidArgument(f"kernel {kernel!r} takes {'/'.join(spec.dtypes)}, got {dtype}")
         ins = [_check_shape(s) for s in in_shapes]
@@ -482,17 +480,13 @@ class Latch:
 
 
 # -- helpers ---------------------------------------------------------------------------------
-def _kernel(name: str) -> KernelSpec:
-    try:
-        return get_kernel(name)
-    except UnknownKernel as exc:
-        raise InvalidArgument(str(exc.args[0] if exc.args else exc)) from None
-
-
 def _public_kernel(name: str) -> KernelSpec:
     """The kernel a caller names for ``prepare`` / ``launch``: not one only the runtime may
     launch, with arguments it derives itself."""
-    spec = _kernel(name)
+    try:
+        spec = get_kernel(name)
+    except UnknownKernel as exc:
+        raise InvalidArgument(str(exc.args[0] if exc.args else exc)) from None
     if spec.internal:
         raise InvalidArgument(f"kernel {name!r} is launched by the runtime only (its arguments "
                               f"are not checked against the memory they reach); pass the "

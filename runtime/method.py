@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from streamlane.kernels import get_kernel
+
 from .dtypes import DTYPES
 from .errors import InvalidArgument, InvalidInput, InvalidState, MethodBusy, NotSupported
 from .event import Event
@@ -290,7 +292,7 @@ class Method:
         meta = np.array([*got_shape, *strides], np.int64)
         size = int(np.prod(got_shape))
         gather = self.device._prepare(
-            "strided_copy", [(span,), meta.shape], [(size * dtype.itemsize,)],
+            get_kernel("strided_copy"), [(span,), meta.shape], [(size * dtype.itemsize,)],
             {"n": size, "rank": len(got_shape), "itemsize": dtype.itemsize}, dtype="uint8")
         source = DeviceArray(Buffer.borrowed(self.device, ptr, span), np.dtype(np.uint8), (span,))
         return _Foreign(source, obj, cai.get("stream"), gather, meta)

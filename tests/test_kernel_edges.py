@@ -333,7 +333,7 @@ def test_strided_copy_of_a_reversed_layout(device):
     first = raw.buffer.view(np.uint8, (4,), raw.offset + 12)  # starts at src[3]
     meta = device.to_device(np.array([4, -4], np.int64), s)
     out = device.empty((16,), np.uint8)
-    p = device._prepare("strided_copy", [(4,), (2,)], [(16,)],  # the runtime's own way
+    p = device._prepare(get_kernel("strided_copy"), [(4,), (2,)], [(16,)],  # the runtime's way
                         {"n": 4, "rank": 1, "itemsize": 4}, dtype="uint8")
     p.run(s, [first, meta], [out])
     try:
