@@ -361,9 +361,8 @@ class MethodBuilder:
         output's name (``out`` or a fresh one)."""
         where = f"{member_path('methods', self.name)}.steps[{len(self._steps)}]"
         spec = _program_kernel(kernel, where)  # as the file validator says it
-        if out is not None and (not isinstance(out, str) or not _NAME.fullmatch(out)):
-            raise InvalidProgram(f"{where}.out[0]", "a name of letters, digits, '_', '.', '-' "
-                                 "(at most 128, not starting with a digit), or no out", out)
+        if out is not None:
+            _check_name(out, f"{where}.out[0]")
         known = []
         for j, name in enumerate(ins):
             decl = self._known(name)
@@ -383,12 +382,7 @@ class MethodBuilder:
             if shapes[0] is not None and tuple(shapes[0]) != given:
                 raise InvalidProgram(f"{where}.shape", f"no shape (it is inferred: "
                                      f"{list(shapes[0])}), or that one", list(given))
-            if len(given) > MAX_RANK:  # checked here, where the bad shape= is (as a file's)
-                raise InvalidProgram(f"{where}.shape", f"a list of at most {MAX_RANK} "
-                                     f"dimensions", list(given))
-            for j, dim in enumerate(given):
-                if not 1 <= dim <= MAX_DIM:
-                    raise InvalidProgram(f"{where}.shape[{j}]", f"an int in 1..{MAX_DIM}", dim)
+            _check_dims(given, where)  # here, where the bad shape= is
             shapes = [given]
         outs = []
         for k, inferred in enumerate(shapes):
@@ -1030,12 +1024,10 @@ class _Validator:
         if not isinstance(dtype, str) or dtype not in DTYPES:
             raise InvalidProgram(f"{where}.dtype", f"one of {', '.join(DTYPES)}", dtype)
         shape = d["shape"]
-        if not isinstance(shape, list) or len(shape) > MAX_RANK:
+        if not isinstance(shape, list):
             raise InvalidProgram(f"{where}.shape", f"a list of at most {MAX_RANK} dimensions",
                                  shape)
-        for j, dim in enumerate(shape):
-            if not _is_int(dim) or not 1 <= dim <= MAX_DIM:
-                raise InvalidProgram(f"{where}.shape[{j}]", f"an int in 1..{MAX_DIM}", dim)
+        _check_dims(shape, where)
         t = TensorDecl(name, dtype, tuple(shape))
         if t.nbytes > MAX_TENSOR_BYTES:
             raise InvalidProgram(f"{where}.shape", f"at most {MAX_TENSOR_BYTES} bytes per tensor",
@@ -1043,10 +1035,7 @@ class _Validator:
         return t
 
     def _name(self, value: Any, where: str) -> str:
-        if not isinstance(value, str) or not _NAME.fullmatch(value):
-            raise InvalidProgram(where, "a name of letters, digits, '_', '.', '-' (at most 128, "
-                                 "not starting with a digit)", value)
-        return value
+        return _check_name(value, where)
 
 
 def _program_kernel(name: Any, where: str) -> KernelSpec:
@@ -1062,6 +1051,24 @@ def _program_kernel(name: Any, where: str) -> KernelSpec:
         raise InvalidProgram(f"{where}.kernel", "a kernel of the library (" +
                              ", ".join(kernel_names(in_programs_only=True)) + ")", name)
     return spec
+
+
+def _check_name(value: Any, where: str) -> str:
+    """A name of the manifest (program, method, tensor) at ``where``, or ``InvalidProgram``."""
+    if not isinstance(value, str) or not _NAME.fullmatch(value):
+        raise InvalidProgram(where, "a name of letters, digits, '_', '.', '-' (at most 128, "
+                             "not starting with a digit)", value)
+    return value
+
+
+def _check_dims(shape: Sequence[Any], where: str) -> None:
+    """A shape's rank and dimensions (``where.shape``, ``where.shape[j]``), as a file's."""
+    if len(shape) > MAX_RANK:
+        raise InvalidProgram(f"{where}.shape", f"a list of at most {MAX_RANK} dimensions",
+                             list(shape))
+    for j, dim in enumerate(shape):
+        if not _is_int(dim) or not 1 <= dim <= MAX_DIM:
+            raise InvalidProgram(f"{where}.shape[{j}]", f"an int in 1..{MAX_DIM}", dim)
 
 
 def _tensor_given(name: Any, dtype: Any, shape: Any, where: str) -> dict[str, Any]:
