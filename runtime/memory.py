@@ -61,6 +61,14 @@ def prune_uses(uses: dict[Any, Any], key: Any) -> None:
             uses.setdefault(other, taken)
 
 
+def note_use(uses: dict[Any, Any], key: Any, event: Any) -> None:
+    """``event`` marks the end of the latest use on stream ``key`` (rule 8): noted, the entries
+    bounded (``prune_uses``) for a reader with a stream per request."""
+    uses[key] = event
+    if len(uses) >= PRUNE_USES_AT:
+        prune_uses(uses, key)
+
+
 def _reached(event: Any) -> bool:
     try:
         return bool(event.query())

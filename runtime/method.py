@@ -446,7 +446,7 @@ class Method:
         """``event`` marks the end of this execute's work on stream ``key``: the memory it
         touched is in use there until then (rule 8), and the method's next execute on another
         stream waits for it (rule 4)."""
-        for buffer in used:
+        for buffer in used:  # memory.note_use, inlined: this is the execute's path
             uses = buffer.uses
             uses[key] = event
             if len(uses) >= PRUNE_USES_AT:  # a stream per request: bounded (prune_uses)

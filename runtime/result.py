@@ -25,7 +25,7 @@ import numpy as np
 
 from .dtypes import as_host_array, dtype_name
 from .errors import InvalidArgument
-from .memory import PRUNE_USES_AT, Buffer, DeviceArray, _reached, prune_uses
+from .memory import Buffer, DeviceArray, _reached, note_use
 from .stream import LEGACY_HANDLE, Stream, current_stream
 
 if TYPE_CHECKING:
@@ -56,10 +56,7 @@ def mark_release(buffer: Buffer, consumer: Stream, blind: Callable[[], None] | N
             mark = consumer.record()
         finally:
             device.hold_gil(gil)
-        uses = buffer.uses
-        uses[consumer.key] = mark  # its latest let-go covers the earlier ones there
-        if len(uses) >= PRUNE_USES_AT:
-            prune_uses(uses, consumer.key)  # the readers the device has passed
+        note_use(buffer.uses, consumer.key, mark)  # its latest let-go covers the earlier ones
     except BaseException as exc:
         if blind is not None:
             blind()
@@ -327,10 +324,7 @@ class Result:
             # that copy is what its next execute waits for.
             source = staged = device.empty(self.array.shape, self.array.dtype, stream)
             device.copy(staged, self.array, stream)
-            uses = self.array.buffer.uses
-            uses[stream.key] = stream.record()
-            if len(uses) >= PRUNE_USES_AT:
-                prune_uses(uses, stream.key)
+            note_use(self.array.buffer.uses, stream.key, stream.record())
         device.copy_to_host(out, source, stream)
         stream.record().synchronize()
         if staged is not None:
