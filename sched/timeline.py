@@ -179,13 +179,14 @@ class Timeline:
         style = {n: (f"C{i % 10}", _HATCHES[i // 10 % len(_HATCHES)])
                  for i, n in enumerate(names)}
         for row, spans in enumerate(rows):
-            for name in names:
-                bars = [((s.start_s - t0) * 1e3, max(s.duration_s * 1e3, 1e-3))
-                        for s in spans if s.name == name]
-                if bars:
-                    colour, hatch = style[name]
-                    ax.broken_barh(bars, (row - 0.4, 0.8), facecolors=colour, hatch=hatch,
-                                   edgecolor="black", linewidth=0.3)
+            bars: dict[str, list[tuple[float, float]]] = {}  # by name, in one pass of the row
+            for s in spans:
+                bars.setdefault(s.name, []).append(
+                    ((s.start_s - t0) * 1e3, max(s.duration_s * 1e3, 1e-3)))
+            for name, xranges in bars.items():
+                colour, hatch = style[name]
+                ax.broken_barh(xranges, (row - 0.4, 0.8), facecolors=colour, hatch=hatch,
+                               edgecolor="black", linewidth=0.3)
         ax.set_yticks(range(len(tracks)), tracks)
         ax.set_ylim(-0.6, max(0.6, len(tracks) - 0.4))
         ax.invert_yaxis()
