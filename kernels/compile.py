@@ -313,12 +313,16 @@ class DiskCache:
                      valid: Callable[[bytes], bool] | None = None) -> bytes:
         """The bytes under ``key``; on a miss, ``build()`` them and store them. ``valid``:
         stored bytes it refuses count as a miss too."""
-        data = self.get(key)
-        if data is not None and (valid is None or valid(data)):
+        def hit() -> bytes | None:
+            data = self.get(key)
+            return data if data is not None and (valid is None or valid(data)) else None
+
+        data = hit()
+        if data is not None:
             return data
         with self._lock_for(key):
-            data = self.get(key)  # another thread of this instance may have built it meanwhile
-            if data is not None and (valid is None or valid(data)):
+            data = hit()  # another thread of this instance may have built it meanwhile
+            if data is not None:
                 return data
             data = bytes(build())
             try:
