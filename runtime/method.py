@@ -100,6 +100,7 @@ class Method:
             owned[t.name] = device.empty(t.shape, DTYPES[t.dtype], stream, self._uses)
         self._input_decls = mdef.inputs
         self._n_inputs = len(mdef.inputs)
+        self._wants = [(DTYPES[t.dtype], t.shape) for t in mdef.inputs]  # check_inputs' fast path
         self._slots: list[DeviceArray | None] = [None] * len(mdef.inputs)
         self._metas: dict[int, DeviceArray] = {}  # layouts of gathered inputs, by input index
         # Every tensor of an execute by index: inputs, outputs, then constants and buffers.
@@ -145,6 +146,48 @@ class Method:
         accepted = [self._accept(i, v) for i, v in enumerate(values)]
         self._inputs = accepted
         self._inputs_valid = True
+
+    def check_inputs(self, values: Sequence[Any], *, unchecked: tuple[type, ...] = ()
+                     ) -> list[Any]:
+        """Check ``values`` as ``set_inputs`` would, without installing them, for code that
+        passes them to a later ``set_inputs`` (the scheduler's ``submit``): the count, then
+        every input that can be read now: Results, numpy arrays, Python numbers, and objects
+        no input can be. Raises what ``set_inputs`` raises (``InvalidInput``).
+
+        Returns the values to pass later: numpy arrays and numbers as checked copies (C
+        order) that the caller's later changes do not reach, the rest as given. An object
+        read only when the work runs (``__array__``, DLPack, ``__cuda_array_interface__``)
+        is returned unchecked: ``set_inputs`` checks it then, as is an instance of a type in
+        ``unchecked`` (the caller checks those). Reads nothing an execute changes, so it may
+        run on any thread."""
+        if not isinstance(values, (list, tuple)):
+            raise InvalidInput(self.name, None, "a list of inputs", type(values).__name__)
+        if len(values) != len(self._input_decls):
+            raise InvalidInput(self.name, None, f"{len(self._input_decls)} inputs",
+                               len(values))
+        checked = list(values)
+        for i, (v, (want, shape)) in enumerate(zip(values, self._wants, strict=True)):
+            if type(v) is Result and v.array.dtype == want and v.array.shape == shape and \
+                    v.array.buffer.device is self.device and not v.view_only:
+                continue  # the common case, checked without a call
+            if not isinstance(v, unchecked):
+                checked[i] = self._check_now(i, v)
+        return checked
+
+    def _check_now(self, index: int, value: Any) -> Any:
+        if isinstance(value, Result):
+            return self._accept(index, value)
+        if isinstance(value, np.ndarray):
+            array = self._accept(index, value)
+            return array.copy() if np.may_share_memory(array, value) else array
+        if isinstance(value, (bool, int, float, np.number, np.bool_)):
+            return self._accept(index, value)  # a new 0-d array
+        try:
+            later = any(hasattr(value, name) for name in (
+                "__cuda_array_interface__", "__array_interface__", "__array__", "__dlpack__"))
+        except Exception:  # a broken protocol property: _accept reports it
+            later = False
+        return value if later else self._accept(index, value)
 
     def _accept(self, index: int, value: Any) -> Any:
         decl = self._input_decls[index]

@@ -54,11 +54,16 @@ from types import TracebackType
 from typing import Any
 
 import anyio
-import numpy as np
 from anyio.lowlevel import checkpoint, checkpoint_if_cancelled
 
 from streamlane.runtime import Device, Event, Method, Result, Stream, get_device
-from streamlane.runtime.errors import InvalidArgument, InvalidState, NotSupported, StreamClosed
+from streamlane.runtime.errors import (
+    InvalidArgument,
+    InvalidInput,
+    InvalidState,
+    NotSupported,
+    StreamClosed,
+)
 from streamlane.runtime.stream import (
     PER_THREAD_HANDLE,
     foreign_stream_handle,
@@ -460,10 +465,12 @@ class Scheduler:
         on the device (no host round trip). ``stream=`` runs it under ``CallerStream(stream)``
         (a Stream of this device, or any object with ``__cuda_stream__``). Inputs are numpy
         arrays (copied now, so the caller may reuse them), Results, or ``JobOutput``s of
-        earlier jobs (``job.outputs[i]``), which are ordered like ``after=``; any other input
-        the method takes (DLPack, ``__array__``, ``__cuda_array_interface__`` objects) is read
-        when the lane runs the job, so it must stay unchanged until the job is awaited. A
-        method made with ``clone_outputs=False`` is refused (``NotSupported``).
+        earlier jobs (``job.outputs[i]``), which are ordered like ``after=``; all three, and
+        the count, are checked now (``Method.check_inputs``: ``InvalidInput``, nothing
+        submitted). Any other input the method takes (DLPack, ``__array__``,
+        ``__cuda_array_interface__`` objects) is read and checked when the lane runs the job,
+        so it must stay unchanged until the job is awaited. A method made with
+        ``clone_outputs=False`` is refused (``NotSupported``).
 
         Returns once the job is queued for its lane, waiting while the lane is full. A lone
         caller-stream job that cannot block (see the module's guarantees) is enqueued by the
@@ -504,9 +511,12 @@ class Scheduler:
                                       f"another sequence, such as job.outputs), got "
                                       f"{type(inputs).__name__}")
             inputs = list(inputs)
-        # A Result passes as it is (the common case, checked without a call).
-        values = [v if type(v) is Result and not v.view_only else
-                  self._check_input(method, i, v) for i, v in enumerate(inputs)]
+        # Checked now, as the lane's set_inputs() will (count, dtype, shape), where they can
+        # be: a bad input is the submit's error, not a job failing later.
+        values = method.check_inputs(inputs, unchecked=(JobOutput,))
+        for i, v in enumerate(values):
+            if type(v) is not Result or v.view_only:
+                self._check_input(method, i, v)
         after_jobs = check_jobs(after, self.device)
         if stream is not None and (stream is not self._checked_stream() or stream.closed):
             self._check_stream(stream)
@@ -724,7 +734,8 @@ class Scheduler:
             return state.lane
         return min(self.lanes, key=lambda ln: (ln.outstanding, len(ln.methods), ln.index))
 
-    def _check_input(self, method: Method, index: int, value: Any) -> Any:
+    def _check_input(self, method: Method, index: int, value: Any) -> None:
+        """What ``Method.check_inputs`` leaves to the scheduler: views and job outputs."""
         if isinstance(value, Result) and value.view_only:
             raise NotSupported(
                 f"input {index} of {method.name}: a view (an output of a method made with "
@@ -732,13 +743,20 @@ class Scheduler:
                 f"reads it only when it runs the job. Pass a copy "
                 f"(Result.from_host(r.to_host(), device)) or use clone_outputs=True")
         if isinstance(value, JobOutput):
-            if value.job.method.device is not self.device:
+            job, at = value.job, value.index
+            if not isinstance(job, Job) or type(at) is not int or \
+                    not 0 <= at < len(job.method.definition.outputs):
+                raise InvalidArgument(f"input {index} of {method.name}: {value!r} names no "
+                                      f"output of a job; take it from job.outputs")
+            producer = job.method
+            if producer.device is not self.device:
                 raise InvalidArgument(f"input {index} of {method.name}: {value!r} lives on "
-                                      f"{value.job.method.device.name}, not {self.device.name}")
-            return value
-        if isinstance(value, np.ndarray):
-            return value.copy()  # the lane reads it later; the caller may reuse it right away
-        return value
+                                      f"{producer.device.name}, not {self.device.name}")
+            want = method.definition.inputs[index]
+            got = producer.definition.outputs[value.index]
+            if (got.dtype, got.shape) != (want.dtype, want.shape):
+                raise InvalidInput(method.name, index, f"{want.dtype}{list(want.shape)}",
+                                   f"{value!r}, {got.dtype}{list(got.shape)}")
 
     def _check_stream(self, stream: Any) -> None:
         """Validate ``stream=``. The last streamlane Stream that passed is remembered (weakly):

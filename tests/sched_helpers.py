@@ -46,6 +46,19 @@ def data(seed: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal(SHAPE).astype(np.float32)
 
 
+class LateBad:
+    """A host array read only when its lane runs the job (``__array__``, as a torch CPU tensor
+    is read), with the wrong shape (3x3, not SHAPE) unless given another array: the job fails
+    there (``InvalidInput`` at its await, ``DependencyFailed`` at its dependents'), where a
+    bad numpy array is the ``submit()``'s error."""
+
+    def __init__(self, array: np.ndarray | None = None):
+        self.array = np.zeros((3, 3), np.float32) if array is None else array
+
+    def __array__(self, dtype: object = None, copy: object = None) -> np.ndarray:
+        return self.array
+
+
 class Gate:
     """An input whose conversion to numpy blocks until ``open()``: it holds a lane *thread*
     inside ``set_inputs`` (a latch holds a *stream*)."""

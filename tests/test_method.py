@@ -1078,3 +1078,59 @@ def test_the_reference_checks_its_inputs_as_set_inputs_does():
         run_reference(p, "back", [np.ones((4, 16))])
     x = np.arange(64, dtype=np.float64).reshape(4, 16) - 30  # any real dtype: float64 here
     np.testing.assert_array_equal(run_reference(p, "forward", [x])[0], np.maximum(x, 0))
+
+
+def test_check_inputs_checks_what_it_can_now_and_installs_nothing():
+    """``check_inputs`` raises what ``set_inputs`` raises for the count, numpy arrays, Results,
+    numbers and objects no input can be; returns checked copies of host data (C order) and
+    leaves objects read later, and the types the caller checks, as given. The method's state
+    does not change: an execute still needs set_inputs first."""
+    b = Program.build("check")
+    m = b.method("forward", x=("float32", [2, 3]), k=("float32", []))
+    m.output(m.step("scale", "x", out="y", factor=2.0))
+    meth = b.finish().method("forward", device=get_host())
+
+    class Later:
+        def __array__(self, dtype=None, copy=None):
+            return np.zeros(7)  # wrong, but read only by set_inputs
+
+    class Mine:
+        pass
+
+    class Broken:
+        @property
+        def __cuda_array_interface__(self):
+            return 1 / 0
+
+    x = np.arange(6, dtype=np.float32).reshape(3, 2).T  # another layout
+    checked = meth.check_inputs([x, 2])
+    assert checked[0].flags.c_contiguous and not np.shares_memory(checked[0], x)
+    np.testing.assert_array_equal(checked[0], x)
+    assert checked[1].shape == () and checked[1].dtype == np.float32
+    plain = np.ones((2, 3), np.float32)
+    copied = meth.check_inputs((plain, 1.5))[0]
+    plain[:] = 5
+    assert (copied == 1).all()  # a copy the caller's later change does not reach
+    later, mine = Later(), Mine()
+    assert meth.check_inputs([later, 1])[0] is later
+    assert meth.check_inputs([mine, 1], unchecked=(Mine,))[0] is mine
+    r = Result.from_host(plain, get_host())
+    assert meth.check_inputs([r, 1])[0] is r
+    for values, index, message in [
+        ([plain], None, "expected 2 inputs, got 1"),
+        ("ab", None, "expected a list of inputs, got str"),
+        ([plain.astype(np.int32), 1], 0, "got dtype int32"),
+        ([Result.from_host(np.ones(3, np.float32), get_host()), 1], 0, r"got shape \[3\]"),
+        ([mine, 1], 0, "got Mine"),
+        ([plain, "2"], 1, "got str$"),
+        ([Broken(), 1], 0, "ZeroDivisionError"),
+        ([plain, 2**200], 1, "float32 scalar within its range"),
+    ]:
+        with pytest.raises(InvalidInput, match=message) as info:
+            meth.check_inputs(values)
+        assert info.value.index == index
+    with pytest.raises(InvalidState):
+        meth.execute()  # nothing was installed
+    meth.set_inputs(checked)
+    meth.execute()
+    np.testing.assert_array_equal(meth.get_outputs()[0].to_host(), 2 * x)

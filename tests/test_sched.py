@@ -15,6 +15,7 @@ from sched_helpers import (
     BACKENDS,
     Gate,
     Interrupt,
+    LateBad,
     RaiseAt,
     data,
     double_program,
@@ -23,11 +24,11 @@ from sched_helpers import (
     wait_until,
 )
 
-from streamlane.runtime import CallerStream, Result, get_device
+from streamlane.runtime import CallerStream, Program, Result, get_device
 from streamlane.runtime.errors import InvalidArgument, InvalidInput, InvalidState, StreamClosed
 from streamlane.runtime.examples import load
 from streamlane.runtime.reference import run_reference
-from streamlane.sched import Job, Scheduler, SchedulerClosed
+from streamlane.sched import Job, JobOutput, Scheduler, SchedulerClosed
 
 pytestmark = pytest.mark.anyio
 
@@ -426,6 +427,66 @@ async def test_numpy_inputs_are_copied_at_submit(device):
     np.testing.assert_array_equal(out.to_host(), want)
 
 
+async def test_a_bad_input_is_the_submits_error_and_takes_nothing(device):
+    """What can be checked at submit() is checked there, as set_inputs() checks it: the count,
+    numpy arrays, Results, job outputs, numbers and objects no input can be. The submit raises
+    InvalidInput naming the input, before it waits for room on a full lane, and no job is
+    made."""
+    method = double_program().method("forward", device=device)
+    other = spin_program(0, "wide").method("forward", device=device)
+    zero_d = Program.build("scalar")
+    f = zero_d.method("forward", a=("float32", []))
+    f.output(f.step("add", "a", "a", out="y"))
+    scalar = zero_d.finish().method("forward", device=device)
+    good = data(1)
+    wrong_result = Result.from_host(np.zeros((3, 3), np.float32), device)
+    with anyio.fail_after(30):
+        async with Scheduler(device, lanes=1, queue_size=1) as sched:
+            first = await sched.submit(other, [good])
+            cases = [
+                ([], None, "expected 1 inputs, got 0"),
+                ([good, good], None, "expected 1 inputs, got 2"),
+                ([good.astype(np.float64)], 0, "got dtype float64"),
+                ([np.zeros((3, 3), np.float32)], 0, r"got shape \[3, 3\]"),
+                ([wrong_result], 0, r"got shape \[3, 3\]"),
+                ([None], 0, "got NoneType"),
+                (["x"], 0, "got str"),
+                ([2.0], 0, "got a Python number 2.0"),
+            ]
+            for inputs, index, message in cases:
+                for call in (sched.submit, sched.run):
+                    with pytest.raises(InvalidInput, match=message) as info:
+                        await call(method, inputs)
+                    assert info.value.index == index and info.value.method == method.name
+            with pytest.raises(InvalidInput, match=r"input 0 of method 'scalar\.forward': "
+                               r"expected float32\[\], got shape \[4, 8\]"):
+                await sched.submit(scalar, [good])  # an array for a scalar
+            assert sched.pending == 1  # nothing counted for the refusals
+            (y,) = await first
+            (k,) = await sched.run(scalar, [3])  # a number is checked and passed
+            assert sched.pending == 0
+    np.testing.assert_array_equal(y.to_host(), good)
+    assert k.to_host() == np.float32(6.0)
+
+
+async def test_a_job_output_of_another_shape_is_the_submits_error(device):
+    b = Program.build("rows")
+    m = b.method("forward", x=("float32", [3, 3]))
+    m.output(m.step("copy", "x", out="y"))
+    rows = b.finish().method("forward", device=device)
+    method = double_program().method("forward", device=device)
+    async with Scheduler(device, lanes=2) as sched:
+        producer = await sched.submit(rows, [np.ones((3, 3), np.float32)], lane=0)
+        with pytest.raises(InvalidInput, match=r"input 0 of method 'double\.forward': "
+                           r"expected float32\[4, 8\], got <JobOutput 0 of .*float32\[3, 3\]"):
+            await sched.submit(method, [producer.outputs[0]], lane=1)
+        for made in (JobOutput(producer, 1), JobOutput(producer, -1), JobOutput("job", 0)):
+            with pytest.raises(InvalidArgument, match="names no output of a job"):
+                await sched.submit(rows, [made])
+        (y,) = await producer
+    np.testing.assert_array_equal(y.to_host(), np.ones((3, 3), np.float32))
+
+
 async def test_a_caller_stream_job_runs_on_that_stream(device):
     method = double_program().method("forward", device=device)
     stream = device.create_stream()
@@ -457,7 +518,7 @@ async def test_a_job_given_up_on_fails_the_exit_unless_handed_to_a_task_that_for
     from streamlane.runtime.errors import StreamlaneError
 
     method = double_program().method("forward", device=host)
-    bad = np.zeros((2, 2), np.float32)  # the wrong shape: the job fails when its lane runs it
+    bad = LateBad()  # the wrong shape: the job fails when its lane runs it
 
     async def forget(job):
         with contextlib.suppress(StreamlaneError):
@@ -984,7 +1045,7 @@ async def test_failed_jobs_whose_error_was_seen_are_not_kept(host):
     nobody saw), not for its whole life: a long-lived scheduler with bad inputs now and then
     does not hold every failed job and its traceback."""
     method = double_program().method("forward", device=host)
-    bad = np.zeros((2, 2), np.float32)  # the wrong shape: refused at enqueue
+    bad = LateBad()  # the wrong shape: refused at enqueue
     with anyio.fail_after(60):
         async with Scheduler(host, lanes=1) as sched:
             for _ in range(500):
@@ -1077,7 +1138,7 @@ async def test_a_dependency_failure_names_the_jobs_without_a_state_they_left(dev
     other = double_program("second").method("forward", device=device)
     with anyio.fail_after(30):
         async with Scheduler(device, lanes=2) as sched:
-            bad = await sched.submit(method, [np.zeros((3, 3), np.float32)], lane=0)
+            bad = await sched.submit(method, [LateBad()], lane=0)
             dependent = await sched.submit(other, [bad.outputs[0]], lane=1)
             with pytest.raises(Exception) as info:
                 await dependent
@@ -1095,7 +1156,7 @@ async def test_each_await_of_a_failed_job_gets_only_its_own_traceback(device):
     method = double_program("tb").method("forward", device=device)
     with anyio.fail_after(30):
         async with Scheduler(device, lanes=1) as sched:
-            job = await sched.submit(method, [np.zeros((3, 3), np.float32)])
+            job = await sched.submit(method, [LateBad()])
             depths = []
             for _ in range(50):
                 try:

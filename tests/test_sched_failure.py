@@ -14,7 +14,15 @@ import time
 import anyio
 import numpy as np
 import pytest
-from sched_helpers import BACKENDS, Gate, data, double_program, wait_threads, wait_until
+from sched_helpers import (
+    BACKENDS,
+    Gate,
+    LateBad,
+    data,
+    double_program,
+    wait_threads,
+    wait_until,
+)
 
 from streamlane.runtime import Result
 from streamlane.runtime.errors import DeviceError, InvalidInput, MethodBusy
@@ -189,7 +197,7 @@ async def test_a_refused_input_fails_its_job_and_its_dependents_only(host, depen
     method = double_program().method("forward", device=host)
     other = double_program("other").method("forward", device=host)
     async with Scheduler(host, lanes=2) as sched:
-        bad = await sched.submit(method, [np.zeros((3, 3), np.float32)], lane=0)
+        bad = await sched.submit(method, [LateBad()], lane=0)
         dependent = await sched.submit(
             other, [bad.outputs[0]] if how == "output" else [data(4)], lane=dependent_lane,
             after=[bad] if how == "after" else ())
@@ -217,7 +225,7 @@ async def test_a_failed_chain_names_where_it_started_in_a_bounded_message(host):
     ~1 GB). A link now names the chain's first job and its error, once."""
     method = double_program().method("forward", device=host)
     async with Scheduler(host, lanes=2) as sched:
-        head = await sched.submit(method, [np.zeros((3, 3), np.float32)], lane=0)
+        head = await sched.submit(method, [LateBad()], lane=0)
         job = head
         for i in range(300):
             job = await sched.submit(method, [data(i)], lane=i % 2, after=[job])
@@ -236,7 +244,7 @@ async def test_a_method_moved_after_a_refused_job_runs(host):
     dependency: its refusal does not fail the next one."""
     method = double_program().method("forward", device=host)
     async with Scheduler(host, lanes=2) as sched:
-        bad = await sched.submit(method, [np.zeros((3, 3), np.float32)], lane=0)
+        bad = await sched.submit(method, [LateBad()], lane=0)
         moved = await sched.submit(method, [data(5)], lane=1)
         with pytest.raises(InvalidInput):
             await bad
@@ -272,7 +280,7 @@ async def test_an_unobserved_failure_is_raised_on_exit(host):
     method = double_program().method("forward", device=host)
     with pytest.raises(InvalidInput) as info:
         async with Scheduler(host, lanes=1) as sched:
-            job = await sched.submit(method, [np.zeros((3, 3), np.float32)])
+            job = await sched.submit(method, [LateBad()])
             await wait_until(job.done)
     assert job.state == "failed"
     assert f"{job.label} failed and nobody awaited it" in "".join(info.value.__notes__)
@@ -287,7 +295,7 @@ async def test_a_failure_seen_through_a_dependent_is_not_raised_again_on_exit(ho
     decoder = double_program().method("forward", device=host)
     third = double_program().method("forward", device=host)
     async with Scheduler(host, lanes=2) as sched:
-        enc = await sched.submit(encoder, [np.zeros((3, 3), np.float32)], lane=0)
+        enc = await sched.submit(encoder, [LateBad()], lane=0)
         dec = await sched.submit(decoder, [enc.outputs[0]], lane=1, after=[enc])
         with pytest.raises(DependencyFailed) as info:
             await sched.run(third, [dec.outputs[0]], lane=0, after=[dec])
@@ -295,7 +303,7 @@ async def test_a_failure_seen_through_a_dependent_is_not_raised_again_on_exit(ho
     assert enc.state == dec.state == "failed"
     with pytest.raises(DependencyFailed):  # a dependent nobody awaited still says so
         async with Scheduler(host, lanes=1) as sched:
-            enc = await sched.submit(encoder, [np.zeros((3, 3), np.float32)])
+            enc = await sched.submit(encoder, [LateBad()])
             dec = await sched.submit(decoder, [enc.outputs[0]])
             await wait_until(dec.done)
             assert isinstance(enc.exception(), InvalidInput)  # seen; its dependent's is not
@@ -312,7 +320,8 @@ async def test_failed_jobs_nobody_looks_at_do_not_keep_their_inputs_or_pile_up(h
     from streamlane.sched.scheduler import UNOBSERVED_KEPT
 
     method = double_program().method("forward", device=host)
-    bad = np.zeros((512, 512), np.float32)  # 1 MiB, the wrong shape: refused at enqueue
+    bad = LateBad(np.zeros((512, 512), np.float32))  # 1 MiB, the wrong shape: refused at
+    # enqueue
     grown = kept = None
     tracemalloc.start()
     try:
@@ -345,7 +354,7 @@ async def test_leaving_raises_an_unseen_error_after_the_first_kept_ones_were_see
     from streamlane.sched.scheduler import UNOBSERVED_KEPT
 
     method = double_program().method("forward", device=host)
-    bad = np.zeros((3, 3), np.float32)
+    bad = LateBad()
 
     async def fail_then_see(await_last: bool) -> tuple[list[Job], BaseException]:
         """Fail 64 jobs, (await the last,) see the first 32; the error leaving raised."""

@@ -16,12 +16,20 @@ import time
 import anyio
 import numpy as np
 import pytest
-from sched_helpers import BACKENDS, Gate, data, double_program, spin_program, wait_until
+from sched_helpers import (
+    BACKENDS,
+    Gate,
+    LateBad,
+    data,
+    double_program,
+    spin_program,
+    wait_until,
+)
 
 from streamlane.runtime import Method, Program, Result
 from streamlane.runtime.errors import InvalidArgument, InvalidInput, InvalidState
 from streamlane.runtime.result import PooledBuffer
-from streamlane.sched import Scheduler
+from streamlane.sched import DependencyFailed, Scheduler
 from streamlane.sched.lane import Lane
 
 pytestmark = pytest.mark.anyio
@@ -280,11 +288,14 @@ async def test_a_lone_jobs_output_results_exist_when_submit_returns(device):
                 _ = waiting.outputs[0].result
             gate.open()
             await waiting
-            wrong = on_device(np.ones((3, 3), np.float32), device)  # refused by set_inputs
-            doomed = await sched.submit(lone, [wrong], stream=stream)  # held back
+            refused = await sched.submit(gated, [LateBad()])  # refused by its lane
+            with pytest.raises(InvalidInput):
+                await refused
+            doomed = await sched.submit(lone, [refused.outputs[0]], stream=stream)  # held back
+            assert doomed._parked
             with pytest.raises(InvalidState, match="failed before reaching the device"):
                 _ = doomed.outputs[0].result
-            with pytest.raises(InvalidInput):
+            with pytest.raises(DependencyFailed):
                 await doomed
     np.testing.assert_allclose(result.to_host(), 2 * data(4), rtol=1e-6)
 
@@ -768,7 +779,7 @@ async def test_a_job_failed_before_the_device_is_seen_failed_without_a_loop_turn
     it, and it never reads 'queued' beside a later job of its lane that reads 'done'."""
     method = double_program("refused").method("forward", device=device)
     other = double_program("after").method("forward", device=device)
-    bad = np.zeros((3, 3), np.float32)
+    bad = LateBad()
     with anyio.fail_after(30):
         async with Scheduler(device, lanes=2) as sched:
             refused = await sched.submit(method, [bad], lane=0)
