@@ -44,6 +44,21 @@ class InvalidArgument(StreamlaneError, ValueError):
     """A value passed to streamlane is of the wrong kind, type, dtype, shape or range."""
 
 
+def shown(value: Any, how: Any = repr, limit: int = 200) -> str:
+    """``how(value)`` (``repr`` or ``str``) for an error message, cut to ``limit`` characters: a
+    4000-digit int given for a float32 is reported, not repeated, and one past Python's digit
+    limit, or an object whose text raises, is described instead of raising from the error."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 2048:
+        return f"an int of {value.bit_length()} bits"
+    try:
+        text = how(value)
+        if not isinstance(text, str):
+            raise TypeError(f"{how.__name__}() returned {type(text).__name__}")
+    except Exception as exc:
+        return f"a {type(value).__name__} whose {how.__name__}() raised {type(exc).__name__}"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 class InvalidInput(InvalidArgument):
     """An input passed to a method does not match its declaration.
 
@@ -57,10 +72,7 @@ class InvalidInput(InvalidArgument):
         self.got = got
         self.hint = hint
         where = f"method {method!r}" if index is None else f"input {index} of method {method!r}"
-        text = str(got)  # a 4000-digit int given for a float32 is reported, not repeated
-        if len(text) > 200:
-            text = text[:197] + "..."
-        msg = f"{where}: expected {expected}, got {text}"
+        msg = f"{where}: expected {expected}, got {shown(got, str)}"
         super().__init__(msg + (f"; {hint}" if hint else ""))
 
 

@@ -27,7 +27,7 @@ import numpy as np
 from streamlane.kernels import get_kernel
 
 from .dtypes import DTYPES
-from .errors import InvalidArgument, InvalidInput, InvalidState, MethodBusy, NotSupported
+from .errors import InvalidArgument, InvalidInput, InvalidState, MethodBusy, NotSupported, shown
 from .event import Event
 from .memory import PRUNE_USES_AT, Buffer, DeviceArray, prune_uses
 from .result import OutputPool, PooledBuffer, Result, _Holder
@@ -147,8 +147,8 @@ class Method:
         self._inputs = accepted
         self._inputs_valid = True
 
-    def check_inputs(self, values: Sequence[Any], *, unchecked: tuple[type, ...] = ()
-                     ) -> list[Any]:
+    def check_inputs(self, values: Sequence[Any], *,
+                     unchecked: type | tuple[type, ...] = ()) -> list[Any]:
         """Check ``values`` as ``set_inputs`` would, without installing them, for code that
         passes them to a later ``set_inputs`` (the scheduler's ``submit``): the count, then
         every input that can be read now: Results, numpy arrays, Python numbers, and objects
@@ -157,9 +157,11 @@ class Method:
         Returns the values to pass later: numpy arrays and numbers as checked copies (C
         order) that the caller's later changes do not reach, the rest as given. An object
         read only when the work runs (``__array__``, DLPack, ``__cuda_array_interface__``)
-        is returned unchecked: ``set_inputs`` checks it then, as is an instance of a type in
-        ``unchecked`` (the caller checks those). Reads nothing an execute changes, so it may
-        run on any thread."""
+        is returned unchecked: ``set_inputs`` checks it then, as is an instance of
+        ``unchecked`` (a type or a tuple of types: the caller checks those). Reads nothing an
+        execute changes, so it may run on any thread."""
+        if not isinstance(unchecked, type):
+            unchecked = _types(unchecked)
         if not isinstance(values, (list, tuple)):
             raise InvalidInput(self.name, None, "a list of inputs", type(values).__name__)
         if len(values) != len(self._input_decls):
@@ -180,8 +182,8 @@ class Method:
         if isinstance(value, np.ndarray):
             array = self._accept(index, value)
             return array.copy() if np.may_share_memory(array, value) else array
-        if isinstance(value, (bool, int, float, np.number, np.bool_)):
-            return self._accept(index, value)  # a new 0-d array
+        if isinstance(value, (bool, int, float, np.generic)):
+            return self._accept(index, value)  # a new 0-d array (numpy scalars are immutable)
         try:
             later = any(hasattr(value, name) for name in (
                 "__cuda_array_interface__", "__array_interface__", "__array__", "__dlpack__"))
@@ -248,7 +250,7 @@ class Method:
     def _scalar(self, index: int, value: Any, decl: Any, want: np.dtype) -> np.ndarray:
         if decl.shape != ():
             raise InvalidInput(self.name, index, f"{decl.dtype}{list(decl.shape)}",
-                               f"a Python number {value!r}")
+                               f"a Python number {shown(value)}")
         kind = want.kind
         ok = (kind == "b" and isinstance(value, (bool, np.bool_))) or \
              (kind in "iu" and isinstance(value, (int, np.integer))
@@ -257,28 +259,15 @@ class Method:
               and not isinstance(value, (bool, np.bool_)))
         if not ok:
             raise InvalidInput(self.name, index, f"a {decl.dtype} scalar",
-                               f"{type(value).__name__} {value!r}")
-        # Checked on the value, not left to numpy's casts: those wrap numpy integers around
-        # (np.int64(2**31) as int32 is -2**31) and overflow finite floats to inf.
-        if kind in "iu":
-            info = np.iinfo(want)
-            if not info.min <= int(value) <= info.max:
-                raise InvalidInput(self.name, index, f"a {decl.dtype} scalar in "
-                                   f"{info.min}..{info.max}", value)
-            return np.asarray(int(value), dtype=want)
-        if kind == "b":
-            return np.asarray(bool(value), dtype=want)
+                               f"{type(value).__name__} {shown(value)}")
         try:
-            number = float(value)  # a long double beyond float64 becomes inf here: not finite
-            finite = bool(np.isfinite(value)) if isinstance(value, np.floating) else \
-                math.isfinite(number)
-        except OverflowError:  # an int beyond any float
-            number = None
-        with np.errstate(over="ignore"):
-            array = np.asarray(number if number is not None else 0.0, dtype=want)
-        if number is None or finite != bool(np.isfinite(array)):
-            raise InvalidInput(self.name, index, f"a {decl.dtype} scalar within its range "
-                               f"(finite numbers stay finite)", value)
+            array, fits = _convert_scalar(value, kind, want)
+        except Exception as exc:  # a number type of the caller's whose int() or float() raises
+            raise InvalidInput(self.name, index, f"a {decl.dtype} scalar",
+                               f"{type(value).__name__} {shown(value)}",
+                               f"converting it raised {exc!r}") from None
+        if array is None:
+            raise InvalidInput(self.name, index, f"a {decl.dtype} scalar {fits}", value)
         return array
 
     def _check_meta(self, index: int, dtype: np.dtype, shape: tuple[int, ...], want: np.dtype,
@@ -609,6 +598,43 @@ def _contiguous_strides(shape: tuple[int, ...], dtype: np.dtype) -> tuple[int, .
     return tuple(reversed(strides))
 
 
+def _types(given: Any) -> tuple[type, ...]:
+    """``check_inputs``' ``unchecked=``, checked: a tuple (or another iterable) of types."""
+    try:
+        types = tuple(given)
+    except TypeError:
+        types = (given,)
+    if not all(isinstance(t, type) for t in types):
+        raise InvalidArgument(f"check_inputs(unchecked=...) takes a type or a tuple of types, "
+                              f"got {shown(given)}")
+    return types
+
+
+def _convert_scalar(value: Any, kind: str, want: np.dtype) -> tuple[np.ndarray | None, str]:
+    """A number as a 0-d array of ``want`` (of kind ``kind``), or None and the range it missed.
+
+    Checked on the value, not left to numpy's casts: those wrap numpy integers around
+    (np.int64(2**31) as int32 is -2**31) and overflow finite floats to inf."""
+    if kind in "iu":
+        info = np.iinfo(want)
+        if not info.min <= int(value) <= info.max:
+            return None, f"in {info.min}..{info.max}"
+        return np.asarray(int(value), dtype=want), ""
+    if kind == "b":
+        return np.asarray(bool(value), dtype=want), ""
+    try:
+        number = float(value)  # a long double beyond float64 becomes inf here: not finite
+        finite = bool(np.isfinite(value)) if isinstance(value, np.floating) else \
+            math.isfinite(number)
+    except OverflowError:  # an int beyond any float
+        number = None
+    with np.errstate(over="ignore"):
+        array = np.asarray(number if number is not None else 0.0, dtype=want)
+    if number is None or finite != bool(np.isfinite(array)):
+        return None, "within its range (finite numbers stay finite)"
+    return array, ""
+
+
 def _check_options(options: dict[str, Any], name: str) -> dict[str, Any]:
     out = dict(OPTIONS)
     for key, value in options.items():
@@ -618,7 +644,7 @@ def _check_options(options: dict[str, Any], name: str) -> dict[str, Any]:
         if not isinstance(value, bool):
             raise InvalidArgument(f"{name}: option {key!r} must be a Python bool (True or "
                                   f"False), got {type(value).__module__}.{type(value).__name__} "
-                                  f"{value!r}; pass bool(value)")
+                                  f"{shown(value)}; pass bool(value)")
         out[key] = value
     if out["use_shared_stream"]:
         raise NotSupported(

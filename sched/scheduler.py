@@ -513,7 +513,7 @@ class Scheduler:
             inputs = list(inputs)
         # Checked now, as the lane's set_inputs() will (count, dtype, shape), where they can
         # be: a bad input is the submit's error, not a job failing later.
-        values = method.check_inputs(inputs, unchecked=(JobOutput,))
+        values = method.check_inputs(inputs, unchecked=JobOutput)
         for i, v in enumerate(values):
             if type(v) is not Result or v.view_only:
                 self._check_input(method, i, v)
@@ -743,20 +743,23 @@ class Scheduler:
                 f"reads it only when it runs the job. Pass a copy "
                 f"(Result.from_host(r.to_host(), device)) or use clone_outputs=True")
         if isinstance(value, JobOutput):
-            job, at = value.job, value.index
-            if not isinstance(job, Job) or type(at) is not int or \
-                    not 0 <= at < len(job.method.definition.outputs):
-                raise InvalidArgument(f"input {index} of {method.name}: {value!r} names no "
-                                      f"output of a job; take it from job.outputs")
+            job, at = getattr(value, "job", None), getattr(value, "index", None)
+            if type(value) is not JobOutput or not isinstance(job, Job) or \
+                    type(at) is not int or not 0 <= at < len(job.method.definition.outputs):
+                raise InvalidInput(method.name, index, "a Result, or a JobOutput from "
+                                   "job.outputs", f"{type(value).__name__} naming no output "
+                                   f"of a job", "take it from job.outputs[i]")
             producer = job.method
             if producer.device is not self.device:
-                raise InvalidArgument(f"input {index} of {method.name}: {value!r} lives on "
-                                      f"{producer.device.name}, not {self.device.name}")
+                raise InvalidInput(method.name, index, f"an input on {self.device.name}",
+                                   f"{value!r} on {producer.device.name}")
             want = method.definition.inputs[index]
-            got = producer.definition.outputs[value.index]
+            got = producer.definition.outputs[at]
             if (got.dtype, got.shape) != (want.dtype, want.shape):
                 raise InvalidInput(method.name, index, f"{want.dtype}{list(want.shape)}",
-                                   f"{value!r}, {got.dtype}{list(got.shape)}")
+                                   f"{value!r}, {got.dtype}{list(got.shape)}",
+                                   f"pass an output declared {want.dtype}"
+                                   f"{list(want.shape)}, or reshape it with a method of yours")
 
     def _check_stream(self, stream: Any) -> None:
         """Validate ``stream=``. The last streamlane Stream that passed is remembered (weakly):

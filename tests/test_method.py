@@ -1102,6 +1102,14 @@ def test_check_inputs_checks_what_it_can_now_and_installs_nothing():
         def __cuda_array_interface__(self):
             return 1 / 0
 
+    class BadFloat(float):
+        def __float__(self):
+            raise RuntimeError("no")
+
+    class BadRepr(int):
+        def __repr__(self):
+            raise RuntimeError("no")
+
     x = np.arange(6, dtype=np.float32).reshape(3, 2).T  # another layout
     checked = meth.check_inputs([x, 2])
     assert checked[0].flags.c_contiguous and not np.shares_memory(checked[0], x)
@@ -1113,7 +1121,11 @@ def test_check_inputs_checks_what_it_can_now_and_installs_nothing():
     assert (copied == 1).all()  # a copy the caller's later change does not reach
     later, mine = Later(), Mine()
     assert meth.check_inputs([later, 1])[0] is later
-    assert meth.check_inputs([mine, 1], unchecked=(Mine,))[0] is mine
+    for unchecked in (Mine, (Mine,), [Mine]):
+        assert meth.check_inputs([mine, 1], unchecked=unchecked)[0] is mine
+    for wrong in ("Mine", (Mine, 3)):
+        with pytest.raises(InvalidArgument, match="takes a type or a tuple of types"):
+            meth.check_inputs([mine, 1], unchecked=wrong)
     r = Result.from_host(plain, get_host())
     assert meth.check_inputs([r, 1])[0] is r
     for values, index, message in [
@@ -1125,6 +1137,12 @@ def test_check_inputs_checks_what_it_can_now_and_installs_nothing():
         ([plain, "2"], 1, "got str$"),
         ([Broken(), 1], 0, "ZeroDivisionError"),
         ([plain, 2**200], 1, "float32 scalar within its range"),
+        ([plain, 10**5000], 1, "an int of 16610 bits"),  # past str()'s digit limit
+        ([10**5000, 1], 0, "an int of 16610 bits"),
+        ([plain, BadFloat(1.0)], 1, "converting it raised RuntimeError"),
+        ([BadRepr(3), 1], 0, "whose repr\\(\\) raised RuntimeError"),
+        ([plain, np.str_("2")], 1, "got dtype <U1"),  # numpy scalars are checked now too
+        ([plain, np.datetime64("2026-01-01")], 1, "got dtype datetime64"),
     ]:
         with pytest.raises(InvalidInput, match=message) as info:
             meth.check_inputs(values)

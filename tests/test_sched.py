@@ -480,9 +480,17 @@ async def test_a_job_output_of_another_shape_is_the_submits_error(device):
         with pytest.raises(InvalidInput, match=r"input 0 of method 'double\.forward': "
                            r"expected float32\[4, 8\], got <JobOutput 0 of .*float32\[3, 3\]"):
             await sched.submit(method, [producer.outputs[0]], lane=1)
-        for made in (JobOutput(producer, 1), JobOutput(producer, -1), JobOutput("job", 0)):
-            with pytest.raises(InvalidArgument, match="names no output of a job"):
+        class Mine(JobOutput):
+            __slots__ = ()
+
+        unset = JobOutput.__new__(JobOutput)
+        for made in (JobOutput(producer, 1), JobOutput(producer, -1), JobOutput("job", 0),
+                     JobOutput(producer, np.int64(0)), Mine(producer, 0), unset):
+            with pytest.raises(InvalidInput, match="naming no output of a job") as info:
                 await sched.submit(rows, [made])
+            assert info.value.index == 0
+        with pytest.raises(InvalidArgument, match=r"inputs must be a list .*got ndarray"):
+            await sched.submit(rows, np.ones((3, 3), np.float32))
         (y,) = await producer
     np.testing.assert_array_equal(y.to_host(), np.ones((3, 3), np.float32))
 
