@@ -12,7 +12,8 @@ Guarantees:
   after an execute that failed partway where nothing could mark the end of its part (its
   stream closed meanwhile, a second Ctrl-C): the next one first waits for the whole device;
 - two threads executing one method at the same time get ``InvalidState`` (``MethodBusy``),
-  never unordered work.
+  never unordered work; so does a thread whose ``execute()`` or ``get_outputs()`` would take
+  another thread's inputs or outputs for its own (the three calls interleaved with no lock).
 """
 
 from __future__ import annotations
@@ -87,6 +88,19 @@ class Method:
         # (_order_after_failure): the next execute first waits for the whole device.
         self._unordered = False
         self.executions = 0
+        # Separate set_inputs / execute / get_outputs calls of two threads interleaved with no
+        # lock (rule 4). Inputs another thread replaced before any execute ran them, and
+        # outputs another thread's execute replaced before any get_outputs read them, are
+        # noted as lost (by their count); each thread notes the counts of its own calls
+        # (`_mine`), and its next step refuses to use another thread's work for them.
+        self._sets = 0  # successful set_inputs (m(x) included)
+        self._set_by = 0  # the thread of the last one
+        self._ran_sets = 0  # the count of the inputs the last execute ran
+        self._lost_sets: set[int] = set()
+        self._executed_by = 0  # the thread of the last successful execute
+        self._read = 0  # the count of the last execute whose outputs were read
+        self._lost_outputs: set[int] = set()
+        self._mine = threading.local()
 
         # Planned memory, allocated once: constants, internal buffers, input slots, outputs.
         stream = current_stream(device)
@@ -130,12 +144,13 @@ class Method:
         if not self._guard.acquire(blocking=False):
             raise _busy(self, "set_inputs")
         try:
-            self._set_inputs(values)
+            self._set_inputs(values, threading.get_ident())
+            self._mine.sets = self._sets
         finally:
             self._guard.release()
 
-    def _set_inputs(self, values: Sequence[Any]) -> None:
-        """``set_inputs`` with the guard held."""
+    def _set_inputs(self, values: Sequence[Any], me: int) -> None:
+        """``set_inputs`` with the guard held, by thread ``me``."""
         if not isinstance(values, (list, tuple)):
             raise InvalidInput(self.name, None, "a list of inputs", type(values).__name__)
         if len(values) != len(self._input_decls):
@@ -146,6 +161,10 @@ class Method:
         accepted = [self._accept(i, v) for i, v in enumerate(values)]
         self._inputs = accepted
         self._inputs_valid = True
+        if self._ran_sets != self._sets and self._set_by != me:  # another thread's, unrun
+            _note_lost(self._lost_sets, self._sets)
+        self._sets += 1
+        self._set_by = me
 
     def check_inputs(self, values: Sequence[Any], *,
                      unchecked: type | tuple[type, ...] = ()) -> list[Any]:
@@ -343,12 +362,21 @@ class Method:
         if not self._guard.acquire(blocking=False):
             raise _busy(self, "execute")
         try:
-            self._execute(start)
+            mine, me = self._mine, threading.get_ident()
+            sets = getattr(mine, "sets", None)
+            if sets is not None:
+                mine.sets = None
+                if sets in self._lost_sets and self._set_by != me:
+                    self._lost_sets.discard(sets)  # (inputs of this thread's own are its own)
+                    raise _interleaved(self, "execute", "inputs another thread set after "
+                                       "this thread's set_inputs()")
+            self._execute(start, me)
+            mine.executions = self.executions
         finally:
             self._guard.release()
 
-    def _execute(self, start: Event | None) -> None:
-        """``execute`` with the guard held."""
+    def _execute(self, start: Event | None, me: int) -> None:
+        """``execute`` with the guard held, by thread ``me``."""
         if self._inputs is None or not self._inputs_valid:
             raise InvalidState(
                 f"{self.name}: execute() needs inputs; call set_inputs() with all "
@@ -368,7 +396,11 @@ class Method:
             self._note(key, event, used)
             self._outputs = [Result(p.array, event, key, _Holder(p)) for p in pooled] \
                 if pooled else [Result(view, event, key, view_only=True) for view in self._views]
+            if self._read != self.executions and self._executed_by != me:  # another's, unread
+                _note_lost(self._lost_outputs, self.executions)
             self.executions += 1
+            self._executed_by = me
+            self._ran_sets = self._sets
         except BaseException:
             # The last execute's outputs stand, in buffers of their own; views it may have
             # half rewritten do not (clone_outputs=False): none until an execute succeeds.
@@ -489,10 +521,21 @@ class Method:
 
     def get_outputs(self) -> list[Result]:
         """The outputs of the last execute (Results; no copy, no host wait)."""
-        if self._outputs is None:
+        mine = self._mine
+        executions = getattr(mine, "executions", None)
+        if executions is not None:
+            mine.executions = None
+            if executions in self._lost_outputs and \
+                    self._executed_by != threading.get_ident():
+                self._lost_outputs.discard(executions)
+                raise _interleaved(self, "get_outputs", "the outputs of another thread's "
+                                   "execute() that ran after this thread's")
+        outputs = self._outputs
+        if outputs is None:
             raise InvalidState(f"{self.name}: no outputs to get; call execute() after "
                                f"set_inputs() first")
-        return list(self._outputs)
+        self._read = self.executions
+        return list(outputs)
 
     def may_wait_on_host(self) -> bool:
         """Whether the next ``execute()`` may wait on the host: it may reuse an output buffer
@@ -518,9 +561,13 @@ class Method:
         if not self._guard.acquire(blocking=False):
             raise _busy(self, "__call__")
         try:
-            self._set_inputs(values)
-            self._execute(start)
-            return self.get_outputs()
+            me = threading.get_ident()
+            self._set_inputs(values, me)
+            self._execute(start, me)
+            outputs = self._outputs
+            assert outputs is not None
+            self._read = self.executions
+            return list(outputs)
         finally:
             self._guard.release()
 
@@ -588,6 +635,22 @@ def _busy(method: Method, what: str) -> MethodBusy:
         f"{method.name}: {what}() called while another thread is using this method; drive one "
         f"method from one thread at a time (hold a lock around set_inputs/execute/get_outputs, "
         f"or give each thread its own method)")
+
+
+def _note_lost(lost: set[int], count: int) -> None:
+    """Note the inputs or outputs of ``count`` as lost to another thread; a thread that
+    never comes back for them leaves its count here, so only the latest 64 are kept."""
+    lost.add(count)
+    if len(lost) > 64:
+        lost.discard(min(lost))
+
+
+def _interleaved(method: Method, what: str, would: str) -> MethodBusy:
+    """Refuse a call that would take another thread's work for this thread's (rule 4)."""
+    return MethodBusy(
+        f"{method.name}: {what}() would use {would}: two threads interleaved set_inputs / "
+        f"execute / get_outputs with no lock. Call m(inputs) (one call, held for all three), "
+        f"hold a lock around the three, or give each thread its own method")
 
 
 def _contiguous_strides(shape: tuple[int, ...], dtype: np.dtype) -> tuple[int, ...]:

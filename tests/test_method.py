@@ -17,6 +17,7 @@ from streamlane.runtime.errors import (
     InvalidInput,
     InvalidProgram,
     InvalidState,
+    MethodBusy,
     NotSupported,
 )
 from streamlane.runtime.reference import run_reference
@@ -520,6 +521,85 @@ def test_concurrent_execute_from_two_threads_is_refused(host):
     go_on.set()
     t.join(5)
     check(p, [x], m.get_outputs())
+
+
+def test_two_threads_interleaving_the_three_calls_without_a_lock_are_refused(device):
+    """Rule 4: set_inputs / execute / get_outputs called one by one from two threads with no
+    lock ran one thread's inputs for the other, or handed one thread the other's outputs,
+    silently. The step that would do so is refused (MethodBusy); the other thread's work
+    and the method go on. A thread that executes inputs another thread set (a hand-over it
+    ordered itself) is not refused."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    p = mlp()
+    m = p.method("forward", device=device)
+    a, b = x_for(p), x_for(p)
+    with ThreadPoolExecutor(1) as pool:
+        other = lambda fn, *args: pool.submit(fn, *args).result(30)  # noqa: E731 (one thread)
+        # inputs: A sets, B sets, A executes (it would run B's inputs as A's)
+        m.set_inputs([a])
+        other(m.set_inputs, [b])
+        with pytest.raises(MethodBusy, match=r"execute\(\) would use inputs another thread "
+                                             r"set .*interleaved"):
+            m.execute()
+        other(m.execute)
+        check(p, [b], other(m.get_outputs))
+        # outputs: A executes, B executes, A reads (it would get B's outputs as A's)
+        m.set_inputs([a])
+        m.execute()
+        other(lambda: m([b]))
+        with pytest.raises(MethodBusy, match=r"get_outputs\(\) would use the outputs of "
+                                             r"another thread's execute"):
+            m.get_outputs()
+        check(p, [b], other(m.get_outputs))
+        # a hand-over: A sets, B executes what A set, A reads; then, under one lock each
+        # turn, B drives the method and A executes again what is installed
+        m.set_inputs([a])
+        other(m.execute)
+        check(p, [a], m.get_outputs())
+        other(lambda: (m.set_inputs([b]), m.execute(), m.get_outputs()))
+        m.execute()
+        check(p, [b], m.get_outputs())
+        # one thread's own m(x) between its set_inputs and execute is its own
+        m.set_inputs([a])
+        other(lambda: m([a]))
+        m([b])
+        m.execute()
+        check(p, [b], m.get_outputs())
+
+
+def test_threads_taking_turns_under_a_lock_are_never_refused(host):
+    """The lock the error message asks for works: four threads driving one method with the
+    three calls under a lock (and now and then m(x), or an execute of what is installed)
+    are never refused, and each gets the outputs of its own inputs."""
+    p = mlp()
+    m = p.method("forward", device=host)
+    xs = [x_for(p) for _ in range(4)]
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def drive(i: int) -> None:
+        try:
+            for turn in range(60):
+                with lock:
+                    if turn % 5 == 4:
+                        (y,) = m([xs[i]])
+                    else:
+                        m.set_inputs([xs[i]])
+                        m.execute()
+                        if turn % 7 == 3:
+                            m.execute()  # again, what is installed: this thread's
+                        (y,) = m.get_outputs()
+                check(p, [xs[i]], [y])
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=drive, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors[0]
 
 
 def test_a_call_from_another_thread_at_any_point_of_m_x_never_changes_its_result(host):

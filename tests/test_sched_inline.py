@@ -46,9 +46,9 @@ def executing_threads(monkeypatch):
     seen: dict[str, list[int]] = {}
     real = Method._execute  # what execute() and m(xs) both run, the guard held
 
-    def execute(self, start):
+    def execute(self, *args):
         seen.setdefault(self.name, []).append(threading.get_ident())
-        real(self, start)
+        real(self, *args)
 
     monkeypatch.setattr(Method, "_execute", execute)
     return seen
