@@ -18,6 +18,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 from collections.abc import Sequence
@@ -88,18 +89,16 @@ class Method:
         # (_order_after_failure): the next execute first waits for the whole device.
         self._unordered = False
         self.executions = 0
-        # Separate set_inputs / execute / get_outputs calls of two threads interleaved with no
-        # lock (rule 4). Inputs another thread replaced before any execute ran them, and
-        # outputs another thread's execute replaced before any get_outputs read them, are
-        # noted as lost (by their count); each thread notes the counts of its own calls
-        # (`_mine`), and its next step refuses to use another thread's work for them.
-        self._sets = 0  # successful set_inputs (m(x) included)
-        self._set_by = 0  # the thread of the last one
-        self._ran_sets = 0  # the count of the inputs the last execute ran
-        self._lost_sets: set[int] = set()
-        self._executed_by = 0  # the thread of the last successful execute
-        self._read = 0  # the count of the last execute whose outputs were read
-        self._lost_outputs: set[int] = set()
+        # The three calls one by one from two threads with no lock (rule 4): inputs a separate
+        # set_inputs() installed that no execute has run yet, and outputs a separate execute()
+        # made that its thread has not read yet, as (token, thread). Replaced by another
+        # thread's work, their token is noted as lost; each thread keeps the tokens of its own
+        # calls (`_mine`), and its execute() or get_outputs() refuses to use another thread's
+        # work for a lost one. m(x) itself checks two attributes.
+        self._unrun: tuple[int, int] | None = None
+        self._unread: tuple[int, int] | None = None
+        self._lost: set[int] = set()
+        self._tokens = itertools.count(1)
         self._mine = threading.local()
 
         # Planned memory, allocated once: constants, internal buffers, input slots, outputs.
@@ -144,13 +143,16 @@ class Method:
         if not self._guard.acquire(blocking=False):
             raise _busy(self, "set_inputs")
         try:
-            self._set_inputs(values, threading.get_ident())
-            self._mine.sets = self._sets
+            self._set_inputs(values)
+            me, token = threading.get_ident(), next(self._tokens)
+            self._replaced(self._unrun, me)
+            self._unrun = (token, me)
+            self._mine.sets = token
         finally:
             self._guard.release()
 
-    def _set_inputs(self, values: Sequence[Any], me: int) -> None:
-        """``set_inputs`` with the guard held, by thread ``me``."""
+    def _set_inputs(self, values: Sequence[Any]) -> None:
+        """``set_inputs`` with the guard held."""
         if not isinstance(values, (list, tuple)):
             raise InvalidInput(self.name, None, "a list of inputs", type(values).__name__)
         if len(values) != len(self._input_decls):
@@ -161,10 +163,6 @@ class Method:
         accepted = [self._accept(i, v) for i, v in enumerate(values)]
         self._inputs = accepted
         self._inputs_valid = True
-        if self._ran_sets != self._sets and self._set_by != me:  # another thread's, unrun
-            _note_lost(self._lost_sets, self._sets)
-        self._sets += 1
-        self._set_by = me
 
     def check_inputs(self, values: Sequence[Any], *,
                      unchecked: type | tuple[type, ...] = ()) -> list[Any]:
@@ -362,21 +360,25 @@ class Method:
         if not self._guard.acquire(blocking=False):
             raise _busy(self, "execute")
         try:
-            mine, me = self._mine, threading.get_ident()
-            sets = getattr(mine, "sets", None)
-            if sets is not None:
+            mine = self._mine
+            token = getattr(mine, "sets", None)
+            if token is not None:
                 mine.sets = None
-                if sets in self._lost_sets and self._set_by != me:
-                    self._lost_sets.discard(sets)  # (inputs of this thread's own are its own)
+                if token in self._lost:
+                    self._lost.discard(token)
                     raise _interleaved(self, "execute", "inputs another thread set after "
                                        "this thread's set_inputs()")
-            self._execute(start, me)
-            mine.executions = self.executions
+            self._execute(start)
+            me, token = threading.get_ident(), next(self._tokens)
+            self._unrun = None  # they ran (a hand-over to this thread, perhaps)
+            self._replaced(self._unread, me)
+            self._unread = (token, me)
+            mine.executions = token
         finally:
             self._guard.release()
 
-    def _execute(self, start: Event | None, me: int) -> None:
-        """``execute`` with the guard held, by thread ``me``."""
+    def _execute(self, start: Event | None) -> None:
+        """``execute`` with the guard held."""
         if self._inputs is None or not self._inputs_valid:
             raise InvalidState(
                 f"{self.name}: execute() needs inputs; call set_inputs() with all "
@@ -396,11 +398,7 @@ class Method:
             self._note(key, event, used)
             self._outputs = [Result(p.array, event, key, _Holder(p)) for p in pooled] \
                 if pooled else [Result(view, event, key, view_only=True) for view in self._views]
-            if self._read != self.executions and self._executed_by != me:  # another's, unread
-                _note_lost(self._lost_outputs, self.executions)
             self.executions += 1
-            self._executed_by = me
-            self._ran_sets = self._sets
         except BaseException:
             # The last execute's outputs stand, in buffers of their own; views it may have
             # half rewritten do not (clone_outputs=False): none until an execute succeeds.
@@ -522,19 +520,20 @@ class Method:
     def get_outputs(self) -> list[Result]:
         """The outputs of the last execute (Results; no copy, no host wait)."""
         mine = self._mine
-        executions = getattr(mine, "executions", None)
-        if executions is not None:
+        token = getattr(mine, "executions", None)
+        if token is not None:
             mine.executions = None
-            if executions in self._lost_outputs and \
-                    self._executed_by != threading.get_ident():
-                self._lost_outputs.discard(executions)
+            if token in self._lost:
+                self._lost.discard(token)
                 raise _interleaved(self, "get_outputs", "the outputs of another thread's "
                                    "execute() that ran after this thread's")
         outputs = self._outputs
         if outputs is None:
             raise InvalidState(f"{self.name}: no outputs to get; call execute() after "
                                f"set_inputs() first")
-        self._read = self.executions
+        unread = self._unread
+        if unread is not None and unread[1] == threading.get_ident():
+            self._unread = None  # read by the thread that made them
         return list(outputs)
 
     def may_wait_on_host(self) -> bool:
@@ -561,15 +560,28 @@ class Method:
         if not self._guard.acquire(blocking=False):
             raise _busy(self, "__call__")
         try:
-            me = threading.get_ident()
-            self._set_inputs(values, me)
-            self._execute(start, me)
+            self._set_inputs(values)
+            self._execute(start)
+            if self._unrun is not None or self._unread is not None:
+                me = threading.get_ident()
+                self._replaced(self._unrun, me)
+                self._replaced(self._unread, me)
+                self._unrun = self._unread = None
             outputs = self._outputs
             assert outputs is not None
-            self._read = self.executions
             return list(outputs)
         finally:
             self._guard.release()
+
+    def _replaced(self, work: tuple[int, int] | None, me: int) -> None:
+        """Thread ``me`` replaces ``work`` (``_unrun`` or ``_unread``): another thread's is
+        lost to it. A thread that never comes back for its work leaves its token here, so
+        only the latest 64 are kept."""
+        if work is not None and work[1] != me:
+            lost = self._lost
+            lost.add(work[0])
+            if len(lost) > 64:
+                lost.discard(min(lost))
 
     # -- internals ------------------------------------------------------------------------
     def _buffer_maker(self, t: Any) -> Any:
@@ -635,14 +647,6 @@ def _busy(method: Method, what: str) -> MethodBusy:
         f"{method.name}: {what}() called while another thread is using this method; drive one "
         f"method from one thread at a time (hold a lock around set_inputs/execute/get_outputs, "
         f"or give each thread its own method)")
-
-
-def _note_lost(lost: set[int], count: int) -> None:
-    """Note the inputs or outputs of ``count`` as lost to another thread; a thread that
-    never comes back for them leaves its count here, so only the latest 64 are kept."""
-    lost.add(count)
-    if len(lost) > 64:
-        lost.discard(min(lost))
 
 
 def _interleaved(method: Method, what: str, would: str) -> MethodBusy:

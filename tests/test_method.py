@@ -560,10 +560,14 @@ def test_two_threads_interleaving_the_three_calls_without_a_lock_are_refused(dev
         other(lambda: (m.set_inputs([b]), m.execute(), m.get_outputs()))
         m.execute()
         check(p, [b], m.get_outputs())
-        # one thread's own m(x) between its set_inputs and execute is its own
+        # a thread's own m(x) between its set_inputs and execute is its own work
         m.set_inputs([a])
-        other(lambda: m([a]))
         m([b])
+        m.execute()
+        check(p, [b], m.get_outputs())
+        # and the refusals leave nothing behind: each thread goes on as before
+        other(lambda: m([a]))
+        m.set_inputs([b])
         m.execute()
         check(p, [b], m.get_outputs())
 
