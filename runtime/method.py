@@ -12,13 +12,11 @@ Guarantees:
   after an execute that failed partway where nothing could mark the end of its part (its
   stream closed meanwhile, a second Ctrl-C): the next one first waits for the whole device;
 - two threads executing one method at the same time get ``InvalidState`` (``MethodBusy``),
-  never unordered work; so does a thread whose ``execute()`` or ``get_outputs()`` would take
-  another thread's inputs or outputs for its own (the three calls interleaved with no lock).
+  never unordered work.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 import threading
 from collections.abc import Sequence
@@ -89,17 +87,6 @@ class Method:
         # (_order_after_failure): the next execute first waits for the whole device.
         self._unordered = False
         self.executions = 0
-        # The three calls one by one from two threads with no lock (rule 4): inputs a separate
-        # set_inputs() installed that no execute has run yet, and outputs a separate execute()
-        # made that its thread has not read yet, as (token, thread). Replaced by another
-        # thread's work, their token is noted as lost; each thread keeps the tokens of its own
-        # calls (`_mine`), and its execute() or get_outputs() refuses to use another thread's
-        # work for a lost one. m(x) itself checks two attributes.
-        self._unrun: tuple[int, int] | None = None
-        self._unread: tuple[int, int] | None = None
-        self._lost: set[int] = set()
-        self._tokens = itertools.count(1)
-        self._mine = threading.local()
 
         # Planned memory, allocated once: constants, internal buffers, input slots, outputs.
         stream = current_stream(device)
@@ -144,10 +131,6 @@ class Method:
             raise _busy(self, "set_inputs")
         try:
             self._set_inputs(values)
-            me, token = threading.get_ident(), next(self._tokens)
-            self._replaced(self._unrun, me)
-            self._unrun = (token, me)
-            self._mine.sets = token
         finally:
             self._guard.release()
 
@@ -360,20 +343,7 @@ class Method:
         if not self._guard.acquire(blocking=False):
             raise _busy(self, "execute")
         try:
-            mine = self._mine
-            token = getattr(mine, "sets", None)
-            if token is not None:
-                mine.sets = None
-                if token in self._lost:
-                    self._lost.discard(token)
-                    raise _interleaved(self, "execute", "inputs another thread set after "
-                                       "this thread's set_inputs()")
             self._execute(start)
-            me, token = threading.get_ident(), next(self._tokens)
-            self._unrun = None  # they ran (a hand-over to this thread, perhaps)
-            self._replaced(self._unread, me)
-            self._unread = (token, me)
-            mine.executions = token
         finally:
             self._guard.release()
 
@@ -519,22 +489,10 @@ class Method:
 
     def get_outputs(self) -> list[Result]:
         """The outputs of the last execute (Results; no copy, no host wait)."""
-        mine = self._mine
-        token = getattr(mine, "executions", None)
-        if token is not None:
-            mine.executions = None
-            if token in self._lost:
-                self._lost.discard(token)
-                raise _interleaved(self, "get_outputs", "the outputs of another thread's "
-                                   "execute() that ran after this thread's")
-        outputs = self._outputs
-        if outputs is None:
+        if self._outputs is None:
             raise InvalidState(f"{self.name}: no outputs to get; call execute() after "
                                f"set_inputs() first")
-        unread = self._unread
-        if unread is not None and unread[1] == threading.get_ident():
-            self._unread = None  # read by the thread that made them
-        return list(outputs)
+        return list(self._outputs)
 
     def may_wait_on_host(self) -> bool:
         """Whether the next ``execute()`` may wait on the host: it may reuse an output buffer
@@ -562,26 +520,9 @@ class Method:
         try:
             self._set_inputs(values)
             self._execute(start)
-            if self._unrun is not None or self._unread is not None:
-                me = threading.get_ident()
-                self._replaced(self._unrun, me)
-                self._replaced(self._unread, me)
-                self._unrun = self._unread = None
-            outputs = self._outputs
-            assert outputs is not None
-            return list(outputs)
+            return self.get_outputs()
         finally:
             self._guard.release()
-
-    def _replaced(self, work: tuple[int, int] | None, me: int) -> None:
-        """Thread ``me`` replaces ``work`` (``_unrun`` or ``_unread``): another thread's is
-        lost to it. A thread that never comes back for its work leaves its token here, so
-        only the latest 64 are kept."""
-        if work is not None and work[1] != me:
-            lost = self._lost
-            lost.add(work[0])
-            if len(lost) > 64:
-                lost.discard(min(lost))
 
     # -- internals ------------------------------------------------------------------------
     def _buffer_maker(self, t: Any) -> Any:
@@ -647,14 +588,6 @@ def _busy(method: Method, what: str) -> MethodBusy:
         f"{method.name}: {what}() called while another thread is using this method; drive one "
         f"method from one thread at a time (hold a lock around set_inputs/execute/get_outputs, "
         f"or give each thread its own method)")
-
-
-def _interleaved(method: Method, what: str, would: str) -> MethodBusy:
-    """Refuse a call that would take another thread's work for this thread's (rule 4)."""
-    return MethodBusy(
-        f"{method.name}: {what}() would use {would}: two threads interleaved set_inputs / "
-        f"execute / get_outputs with no lock. Call m(inputs) (one call, held for all three), "
-        f"hold a lock around the three, or give each thread its own method")
 
 
 def _contiguous_strides(shape: tuple[int, ...], dtype: np.dtype) -> tuple[int, ...]:
