@@ -168,10 +168,14 @@ class Method:
             raise InvalidInput(self.name, None, f"{len(self._input_decls)} inputs",
                                len(values))
         checked = list(values)
-        for i, (v, (want, shape)) in enumerate(zip(values, self._wants, strict=True)):
-            if type(v) is Result and v.array.dtype == want and v.array.shape == shape and \
-                    v.array.buffer.device is self.device and not v.view_only:
-                continue  # the common case, checked without a call
+        wants, device = self._wants, self.device
+        for i, v in enumerate(values):
+            if type(v) is Result:  # the common case, checked without a call
+                want, shape = wants[i]
+                array = v.array
+                if array.dtype == want and array.shape == shape and \
+                        array.buffer.device is device and not v.view_only:
+                    continue
             if not isinstance(v, unchecked):
                 checked[i] = self._check_now(i, v)
         return checked
