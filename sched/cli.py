@@ -1,7 +1,7 @@
 """The ``streamlane`` command line (also ``python -m streamlane.sched``).
 
-``streamlane demo [--device auto|host|cuda] [--requests N] [--out DIR] [--backend ...]
-[--size auto|small|large]`` runs the shipped encoder and decoder concurrently (see
+``streamlane demo [--device auto|host|cuda] [--requests N] [--rounds K] [--out DIR]
+[--backend ...] [--size auto|small|large]`` runs the shipped encoder and decoder concurrently (see
 ``streamlane.sched.demo``) and prints a table.
 """
 
@@ -21,6 +21,7 @@ __all__ = ["main"]
 
 BACKENDS = ("asyncio", "uvloop", "trio")
 MAX_REQUESTS = 1024  # per configuration; the demo prepares every input and reference first
+MAX_ROUNDS = 100  # streamlane.sched.demo.MAX_ROUNDS (imported late: see main)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -40,6 +41,9 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--requests", type=int, default=32,
                       help=f"encoder+decoder requests per configuration, 1..{MAX_REQUESTS} "
                            f"(default: 32)")
+    demo.add_argument("--rounds", type=int, default=3,
+                      help=f"runs of each configuration, their order rotating each round; the "
+                           f"table gives each one's median round, 1..{MAX_ROUNDS} (default: 3)")
     demo.add_argument("--out", type=_folder, default=Path("streamlane-out"),
                       help="folder for the PNG timelines and Chrome traces "
                            "(default: ./streamlane-out)")
@@ -90,6 +94,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not 1 <= args.requests <= MAX_REQUESTS:
             return _fail(f"--requests must be in 1..{MAX_REQUESTS} (the demo prepares every "
                          f"request's input before it starts), got {args.requests}", 2)
+        if not 1 <= args.rounds <= MAX_ROUNDS:
+            return _fail(f"--rounds must be in 1..{MAX_ROUNDS}, got {args.rounds}", 2)
         return _demo(args, stdout)
     except KeyboardInterrupt:  # the schedulers have already waited for the device's work
         return _fail("interrupted", 130)
@@ -207,7 +213,7 @@ def _demo(args: argparse.Namespace, stdout: _Stdout) -> int:
     with _one_blas_thread(device.kind == "host"), Progress(
             TextColumn("{task.description:<16}"), BarColumn(), MofNCompleteColumn(),
             console=console, transient=True) as bar:
-        tasks = {c: bar.add_task(c, total=args.requests) for c in CONFIGS}
+        tasks = {c: bar.add_task(c, total=args.requests * args.rounds) for c in CONFIGS}
 
         def progress(config: str, done: int) -> None:
             bar.update(tasks[config], completed=done)
@@ -217,7 +223,8 @@ def _demo(args: argparse.Namespace, stdout: _Stdout) -> int:
         run = _ctrl_c_cancels if backend == "trio" else _plain
         try:
             results = anyio.run(run, run_demo, device, args.requests, args.out, progress,
-                                programs, backend=backend, backend_options=options)
+                                programs, args.rounds, backend=backend,
+                                backend_options=options)
         except StreamlaneError as exc:
             bar.stop()
             return _fail(f"failed: {type(exc).__name__}: {exc}", 1)
@@ -232,9 +239,12 @@ def _demo(args: argparse.Namespace, stdout: _Stdout) -> int:
                       f"[{'green' if ok else 'red'}]{r.correct}/{r.checked}[/]",
                       f"{r.max_error:.1e}")
     console.print(table)
-    console.print("overlap: sum of job durations / time any job ran (timing events); speedup: "
-                  "one-lane wall time / wall time; correct: outputs within rtol 1e-3 of the "
-                  "float64 reference")
+    rounds = f"the median of {args.rounds} rounds, the order of the runs rotating each round; " \
+        if args.rounds > 1 else ""
+    console.print(f"wall: {rounds}overlap: sum of job durations / time any job ran (timing "
+                  f"events); speedup: one-lane wall time / wall time; correct: outputs within "
+                  f"rtol 1e-3 of the float64 reference"
+                  f"{' in every round' if args.rounds > 1 else ''}")
     failed = []
     for r in results:
         if r.files:

@@ -9,7 +9,10 @@ Each request is an encoder job and a decoder job that consumes its output, order
 - with **a caller stream per program** on one lane (``stream=``).
 
 Every result is checked against the float64 reference; each run's timeline is measured with
-timing events and written as a PNG and a Chrome/Perfetto trace.
+timing events and written as a PNG and a Chrome/Perfetto trace. With ``rounds`` > 1 the three
+run that many times, their order rotating each round, and each configuration reports its
+median round: on a GPU one run takes ~30 ms, and four single runs of the same code on one
+H200 read 0.89x to 1.63x for caller streams (bench/results/demo-cuda-96c68c6.txt).
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ from streamlane.runtime.reference import run_reference
 from .scheduler import Scheduler
 from .timeline import Timeline
 
-__all__ = ["CONFIGS", "SIZES", "DemoResult", "demo_programs", "output_files", "run_demo"]
+__all__ = ["CONFIGS", "MAX_ROUNDS", "SIZES", "DemoResult", "demo_programs", "output_files",
+           "run_demo"]
 
 CONFIGS = ("one lane", "two lanes", "caller streams")
 # (batch, width) of the encoder and decoder. "small" is the shipped example files: quick on the
@@ -44,11 +48,15 @@ CONFIGS = ("one lane", "two lanes", "caller streams")
 # than one lane; batch 16 x width 4096: 1.80x / 1.93x with caller streams, in
 # bench/results/demo-sizes-cuda.txt).
 SIZES = {"small": (8, 256), "large": (16, 4096)}
+MAX_ROUNDS = 100
 RTOL, ATOL = 1e-3, 1e-5
 
 
 @dataclass
 class DemoResult:
+    """One configuration: its median round's wall time, overlap and timeline (the one written);
+    ``correct`` of ``checked`` outputs right in every round, the worst error of any round, and
+    each round's wall time in the order they ran (``walls_s``)."""
     config: str
     wall_s: float
     overlap: float
@@ -58,6 +66,15 @@ class DemoResult:
     timeline: Timeline
     files: list[Path] = field(default_factory=list)  # written
     file_errors: list[str] = field(default_factory=list)  # one line per file not written
+    walls_s: list[float] = field(default_factory=list)
+
+
+@dataclass
+class _Round:
+    wall_s: float
+    timeline: Timeline
+    right: list[bool]  # per output, requests' encoder then decoder
+    max_error: float
 
 
 @dataclass
@@ -86,15 +103,20 @@ def demo_programs(size: str) -> tuple[Program, Program]:
 
 async def run_demo(device: Device, requests: int, out: Path,
                    progress: Callable[[str, int], None] | None = None,
-                   programs: tuple[Program, Program] | None = None) -> list[DemoResult]:
-    """``await run_demo(dev, n, out)`` is equivalent to ``streamlane demo --requests n --out
-    out`` without the table: run the three configurations and return their results.
-    ``progress(config, done)`` is called as requests complete. ``programs``: the (encoder,
-    decoder) pair to run (default: the shipped examples).
+                   programs: tuple[Program, Program] | None = None,
+                   rounds: int = 1) -> list[DemoResult]:
+    """``await run_demo(dev, n, out, rounds=k)`` is equivalent to ``streamlane demo --requests
+    n --out out --rounds k`` without the table: run the three configurations ``rounds`` times
+    (their order rotating each round) and return each one's median round. ``progress(config,
+    done)`` is called as requests complete (``done`` counts over the rounds). ``programs``:
+    the (encoder, decoder) pair to run (default: the shipped examples). A configuration's
+    files are written once its rounds are done.
 
     **Cancellation**: each configuration's scheduler leaves on the cancellation, waiting for
-    the work already on the device; the files of unfinished configurations are not written.
+    the work already on the device; no files are written.
     """
+    if type(rounds) is not int or not 1 <= rounds <= MAX_ROUNDS:
+        raise InvalidArgument(f"rounds must be an int in 1..{MAX_ROUNDS}, got {rounds!r}")
     encoder, decoder = programs or demo_programs("small")
     p = _Programs(encoder, decoder, encoder.method("forward", device=device),
                   decoder.method("forward", device=device))
@@ -112,16 +134,39 @@ async def run_demo(device: Device, requests: int, out: Path,
     async with Scheduler(device, lanes=1) as sched:
         for x in xs:
             await sched.submit(p.dec, [(await sched.submit(p.enc, [x])).outputs[0]])
-    results = []
-    for config in CONFIGS:
-        results.append(await _run(config, device, p, xs, refs, out,
-                                  (lambda n, c=config: progress(c, n)) if progress else None))
-    return results
+    runs: dict[str, list[_Round]] = {config: [] for config in CONFIGS}
+    for r in range(rounds):
+        for config in CONFIGS[r % len(CONFIGS):] + CONFIGS[:r % len(CONFIGS)]:
+            runs[config].append(await _run(
+                config, device, p, xs, refs,
+                (lambda n, c=config, base=r * requests: progress(c, base + n))
+                if progress else None))
+    return [_result(config, runs[config], device, out) for config in CONFIGS]
+
+
+def _result(config: str, rounds: list[_Round], device: Device, out: Path) -> DemoResult:
+    """A configuration's median round (the lower one of an even count), with its files."""
+    median = sorted(rounds, key=lambda r: r.wall_s)[(len(rounds) - 1) // 2]
+    timeline = median.timeline
+    correct = sum(all(column) for column in zip(*(r.right for r in rounds), strict=True))
+    result = DemoResult(config, median.wall_s, timeline.overlap(), correct,
+                        len(median.right), max(r.max_error for r in rounds), timeline,
+                        walls_s=[r.wall_s for r in rounds])
+    png, trace = output_files(out, config)
+    title = f"{config} on {device.name}: overlap {timeline.overlap():.2f}x"
+    for write, path in ((lambda: timeline.plot(png, title=title), png),
+                        (lambda: timeline.to_chrome_trace(trace), trace)):
+        try:  # a file that cannot be written (a full disk, a path taken meanwhile) is reported,
+            result.files.append(write())  # not fatal: the run's figures are still good
+        except (OSError, InvalidArgument) as exc:  # InvalidArgument: the path is a folder now
+            text = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            result.file_errors.append(f"cannot write {path}: {text}")
+    return result
 
 
 async def _run(config: str, device: Device, p: _Programs, xs: list[np.ndarray],
-               refs: list[tuple[np.ndarray, np.ndarray]], out: Path,
-               progress: Callable[[int], None] | None) -> DemoResult:
+               refs: list[tuple[np.ndarray, np.ndarray]],
+               progress: Callable[[int], None] | None) -> _Round:
     streams = [device.create_stream(), device.create_stream()] if config == "caller streams" \
         else [None, None]
     lanes = 2 if config == "two lanes" else 1
@@ -152,20 +197,10 @@ async def _run(config: str, device: Device, p: _Programs, xs: list[np.ndarray],
                       f"device yet and waits for what is ({sched.pending} jobs pending): "
                       f"Ctrl-C again to stop at once", file=sys.stderr, flush=True)
             raise
-    correct, worst = 0, 0.0
+    right, worst = [], 0.0
     for (y, z), (y_ref, z_ref) in zip(outputs, refs, strict=True):
         for got, want in ((y.to_host(), y_ref), (z.to_host(), z_ref)):
             error = float(np.max(np.abs(got - want)))
             worst = max(worst, math.inf if math.isnan(error) else error)  # max(0, nan) is 0
-            correct += bool(np.allclose(got, want, rtol=RTOL, atol=ATOL))
-    png, trace = output_files(out, config)
-    result = DemoResult(config, wall, timeline.overlap(), correct, 2 * len(xs), worst, timeline)
-    title = f"{config} on {device.name}: overlap {timeline.overlap():.2f}x"
-    for write, path in ((lambda: timeline.plot(png, title=title), png),
-                        (lambda: timeline.to_chrome_trace(trace), trace)):
-        try:  # a file that cannot be written (a full disk, a path taken meanwhile) is reported,
-            result.files.append(write())  # not fatal: the run's figures are still good
-        except (OSError, InvalidArgument) as exc:  # InvalidArgument: the path is a folder now
-            text = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-            result.file_errors.append(f"cannot write {path}: {text}")
-    return result
+            right.append(bool(np.allclose(got, want, rtol=RTOL, atol=ATOL)))
+    return _Round(wall, timeline, right, worst)

@@ -358,3 +358,71 @@ def test_the_host_demo_runs_numpys_blas_on_one_thread_and_restores_it(tmp_path, 
                      str(tmp_path)]) == 0
     assert during and set(during) == {1}
     assert blas_threads() == before
+
+
+def test_rounds_report_each_configurations_median_round_and_check_every_round(tmp_path):
+    """``rounds``: every configuration runs that many times, in an order that rotates each
+    round; its wall time, overlap and files are its median round's, its ``correct`` counts the
+    outputs right in every round, and progress counts over the rounds."""
+    import statistics
+
+    import anyio
+
+    from streamlane.runtime import get_device
+    from streamlane.runtime.errors import InvalidArgument
+    from streamlane.sched import cli
+    from streamlane.sched import demo as demo_module
+
+    order: list[str] = []
+    real_run = demo_module._run
+
+    async def run(config, *args):
+        order.append(config)
+        return await real_run(config, *args)
+
+    seen: dict[str, int] = {}
+
+    def progress(config, done):
+        seen[config] = max(seen.get(config, 0), done)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(demo_module, "_run", run)
+        results = anyio.run(lambda: demo_module.run_demo(get_device("host"), 2, tmp_path,
+                                                         progress, None, 3))
+    one, two, streams = demo_module.CONFIGS
+    assert order == [one, two, streams, two, streams, one, streams, one, two]
+    assert seen == {one: 6, two: 6, streams: 6}
+    for r in results:
+        assert len(r.walls_s) == 3 and r.wall_s == statistics.median(r.walls_s)
+        assert r.correct == r.checked == 4 and len(r.files) == 2
+        assert r.overlap == r.timeline.overlap()
+    for bad in (0, 101, 1.5, True):
+        with pytest.raises(InvalidArgument, match=r"rounds must be an int in 1\.\.100"):
+            anyio.run(demo_module.run_demo, get_device("host"), 1, tmp_path, None, None, bad)
+    assert cli.MAX_ROUNDS == demo_module.MAX_ROUNDS
+    proc = demo("--device", "host", "--requests", "1", "--rounds", "0", "--out", str(tmp_path))
+    assert proc.returncode == 2 and "--rounds must be in 1..100, got 0" in proc.stderr
+
+
+def test_a_round_with_a_wrong_output_makes_that_output_wrong(tmp_path, monkeypatch):
+    """``correct`` counts an output right only if it was right in every round: one output of
+    one round marked wrong after its check (the second round's first run, the first request's
+    decoder output) shows in that configuration's count."""
+    import anyio
+
+    from streamlane.runtime import get_device
+    from streamlane.sched import demo as demo_module
+
+    real_run = demo_module._run
+    calls = []
+
+    async def run(config, *args):
+        result = await real_run(config, *args)
+        calls.append(config)
+        if len(calls) == 4:  # the second round's first run
+            result.right[1] = False
+        return result
+
+    monkeypatch.setattr(demo_module, "_run", run)
+    results = anyio.run(demo_module.run_demo, get_device("host"), 2, tmp_path, None, None, 2)
+    assert [r.correct for r in results] == [4, 3, 4]  # round 2 starts with "two lanes"
