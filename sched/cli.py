@@ -43,7 +43,8 @@ def _parser() -> argparse.ArgumentParser:
                            f"(default: 32)")
     demo.add_argument("--rounds", type=int, default=3,
                       help=f"runs of each configuration, their order rotating each round; the "
-                           f"table gives each one's median round, 1..{MAX_ROUNDS} (default: 3)")
+                           f"table gives each one's median round (of an even count, the faster "
+                           f"of the two middle ones), 1..{MAX_ROUNDS} (default: 3)")
     demo.add_argument("--out", type=_folder, default=Path("streamlane-out"),
                       help="folder for the PNG timelines and Chrome traces "
                            "(default: ./streamlane-out)")
@@ -239,12 +240,15 @@ def _demo(args: argparse.Namespace, stdout: _Stdout) -> int:
                       f"[{'green' if ok else 'red'}]{r.correct}/{r.checked}[/]",
                       f"{r.max_error:.1e}")
     console.print(table)
-    rounds = f"the median of {args.rounds} rounds, the order of the runs rotating each round; " \
-        if args.rounds > 1 else ""
-    console.print(f"wall: {rounds}overlap: sum of job durations / time any job ran (timing "
-                  f"events); speedup: one-lane wall time / wall time; correct: outputs within "
-                  f"rtol 1e-3 of the float64 reference"
-                  f"{' in every round' if args.rounds > 1 else ''}")
+    rounds = ""
+    if args.rounds > 1:
+        middle = "" if args.rounds % 2 else " (of the two middle ones, the faster)"
+        rounds = (f"each run's median round of {args.rounds}{middle}, their order rotating each "
+                  f"round: its wall time, overlap and files; ")
+    console.print(f"{rounds}overlap: sum of job durations / time any job ran (timing events); "
+                  f"speedup: one-lane wall time / wall time; correct: outputs within rtol 1e-3 "
+                  f"of the float64 reference" + (" in every round; max error: the worst of any "
+                                                 "round" if args.rounds > 1 else ""))
     failed = []
     for r in results:
         if r.files:

@@ -54,9 +54,10 @@ RTOL, ATOL = 1e-3, 1e-5
 
 @dataclass
 class DemoResult:
-    """One configuration: its median round's wall time, overlap and timeline (the one written);
-    ``correct`` of ``checked`` outputs right in every round, the worst error of any round, and
-    each round's wall time in the order they ran (``walls_s``)."""
+    """One configuration: its median round's wall time, overlap and timeline (the one written;
+    of an even count of rounds, the faster of the two middle ones); ``correct`` of ``checked``
+    outputs right in every round, the worst error of any round, and each round's wall time in
+    the order they ran (``walls_s``)."""
     config: str
     wall_s: float
     overlap: float
@@ -107,13 +108,14 @@ async def run_demo(device: Device, requests: int, out: Path,
                    rounds: int = 1) -> list[DemoResult]:
     """``await run_demo(dev, n, out, rounds=k)`` is equivalent to ``streamlane demo --requests
     n --out out --rounds k`` without the table: run the three configurations ``rounds`` times
-    (their order rotating each round) and return each one's median round. ``progress(config,
-    done)`` is called as requests complete (``done`` counts over the rounds). ``programs``:
-    the (encoder, decoder) pair to run (default: the shipped examples). A configuration's
-    files are written once its rounds are done.
+    (their order rotating each round) and return each one's median round (``DemoResult``).
+    ``progress(config, done)`` is called as requests complete (``done`` counts over the
+    rounds). ``programs``: the (encoder, decoder) pair to run (default: the shipped examples).
+    A configuration's files are written as its last round ends.
 
     **Cancellation**: each configuration's scheduler leaves on the cancellation, waiting for
-    the work already on the device; no files are written.
+    the work already on the device; the files of configurations whose last round had not
+    ended are not written.
     """
     if type(rounds) is not int or not 1 <= rounds <= MAX_ROUNDS:
         raise InvalidArgument(f"rounds must be an int in 1..{MAX_ROUNDS}, got {rounds!r}")
@@ -135,17 +137,21 @@ async def run_demo(device: Device, requests: int, out: Path,
         for x in xs:
             await sched.submit(p.dec, [(await sched.submit(p.enc, [x])).outputs[0]])
     runs: dict[str, list[_Round]] = {config: [] for config in CONFIGS}
+    results: dict[str, DemoResult] = {}
     for r in range(rounds):
         for config in CONFIGS[r % len(CONFIGS):] + CONFIGS[:r % len(CONFIGS)]:
             runs[config].append(await _run(
                 config, device, p, xs, refs,
                 (lambda n, c=config, base=r * requests: progress(c, base + n))
                 if progress else None))
-    return [_result(config, runs[config], device, out) for config in CONFIGS]
+            if r == rounds - 1:  # its last round: its files now, as a Ctrl-C may come next
+                results[config] = _result(config, runs[config], device, out)
+    return [results[config] for config in CONFIGS]
 
 
 def _result(config: str, rounds: list[_Round], device: Device, out: Path) -> DemoResult:
-    """A configuration's median round (the lower one of an even count), with its files."""
+    """A configuration's median round (of an even count, the faster of the two middle ones),
+    with its files."""
     median = sorted(rounds, key=lambda r: r.wall_s)[(len(rounds) - 1) // 2]
     timeline = median.timeline
     correct = sum(all(column) for column in zip(*(r.right for r in rounds), strict=True))

@@ -426,3 +426,42 @@ def test_a_round_with_a_wrong_output_makes_that_output_wrong(tmp_path, monkeypat
     monkeypatch.setattr(demo_module, "_run", run)
     results = anyio.run(demo_module.run_demo, get_device("host"), 2, tmp_path, None, None, 2)
     assert [r.correct for r in results] == [4, 3, 4]  # round 2 starts with "two lanes"
+
+
+def test_a_configuration_writes_its_files_as_its_last_round_ends(tmp_path, monkeypatch):
+    """An interruption in the last round leaves the files of the configurations whose last
+    round had ended (with one round: those run before it, as before rounds) and no others;
+    the one-round footer reads as before rounds."""
+    import anyio
+
+    from streamlane.runtime import get_device
+    from streamlane.sched import demo as demo_module
+
+    real_run = demo_module._run
+    calls = []
+
+    async def run(config, *args):
+        calls.append(config)
+        if len(calls) == 5:  # round 2 runs two lanes, caller streams, one lane
+            raise RuntimeError("interrupted")
+        return await real_run(config, *args)
+
+    monkeypatch.setattr(demo_module, "_run", run)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        anyio.run(demo_module.run_demo, get_device("host"), 1, tmp_path, None, None, 2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "timeline-two-lanes.png", "trace-two-lanes.json"]
+    calls.clear()
+    with pytest.raises(RuntimeError, match="interrupted"):
+        calls.extend(["x", "y"])  # the third call, caller streams, is the fifth
+        anyio.run(demo_module.run_demo, get_device("host"), 1, tmp_path / "one", None, None, 1)
+    assert sorted(p.name for p in (tmp_path / "one").iterdir()) == [
+        "timeline-one-lane.png", "timeline-two-lanes.png", "trace-one-lane.json",
+        "trace-two-lanes.json"]
+    monkeypatch.undo()
+    proc = demo("--device", "host", "--requests", "1", "--rounds", "1", "--out",
+                str(tmp_path / "footer"))
+    footer = " ".join(proc.stdout.split())
+    assert proc.returncode == 0, footer
+    assert footer.split("┘", 1)[1].lstrip().startswith("overlap: sum of job durations"), footer
+    assert "median" not in footer and "every round" not in footer
