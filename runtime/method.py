@@ -100,7 +100,7 @@ class Method:
             owned[t.name] = device.empty(t.shape, DTYPES[t.dtype], stream, self._uses)
         self._input_decls = mdef.inputs
         self._n_inputs = len(mdef.inputs)
-        self._wants = [(DTYPES[t.dtype], t.shape) for t in mdef.inputs]  # check_inputs' fast path
+        self._wants = [(DTYPES[t.dtype], t.shape) for t in mdef.inputs]  # _accept's fast path
         self._slots: list[DeviceArray | None] = [None] * len(mdef.inputs)
         self._metas: dict[int, DeviceArray] = {}  # layouts of gathered inputs, by input index
         # Every tensor of an execute by index: inputs, outputs, then constants and buffers.
@@ -168,15 +168,10 @@ class Method:
             raise InvalidInput(self.name, None, f"{len(self._input_decls)} inputs",
                                len(values))
         checked = list(values)
-        wants, device = self._wants, self.device
         for i, v in enumerate(values):
-            if type(v) is Result:  # the common case, checked without a call
-                want, shape = wants[i]
-                array = v.array
-                if array.dtype == want and array.shape == shape and \
-                        array.buffer.device is device and not v.view_only:
-                    continue
-            if not isinstance(v, unchecked):
+            if type(v) is Result:  # the common case: set_inputs' own check, returns it
+                self._accept(i, v)
+            elif not isinstance(v, unchecked):
                 checked[i] = self._check_now(i, v)
         return checked
 
@@ -196,12 +191,13 @@ class Method:
         return value if later else self._accept(index, value)
 
     def _accept(self, index: int, value: Any) -> Any:
+        want, shape = self._wants[index]
+        if type(value) is Result:  # the common case, checked without building messages
+            array = value.array
+            if array.dtype == want and array.shape == shape and \
+                    array.buffer.device is self.device and not value.view_only:
+                return value
         decl = self._input_decls[index]
-        want = DTYPES[decl.dtype]
-        if type(value) is Result and value.array.buffer.device is self.device and \
-                value.array.dtype == want and value.array.shape == decl.shape and \
-                not value.view_only:
-            return value  # the common case, checked without building messages
         expected = f"{decl.dtype}{list(decl.shape)}"
         if isinstance(value, Result):
             if value.device is not self.device:
