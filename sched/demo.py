@@ -159,7 +159,7 @@ def _result(config: str, rounds: list[_Round], device: Device, out: Path) -> Dem
                         len(median.right), max(r.max_error for r in rounds), timeline,
                         walls_s=[r.wall_s for r in rounds])
     png, trace = output_files(out, config)
-    title = f"{config} on {device.name}: overlap {timeline.overlap():.2f}x"
+    title = f"{config} on {device.name}: overlap {result.overlap:.2f}x"
     for write, path in ((lambda: timeline.plot(png, title=title), png),
                         (lambda: timeline.to_chrome_trace(trace), trace)):
         try:  # a file that cannot be written (a full disk, a path taken meanwhile) is reported,
