@@ -307,6 +307,9 @@ class Lane:
             return False
         report = self._settle([job], None)
         if report is not None:
+            # Claimed here: nothing left to hand to the waiter. Cleared before the report, whose
+            # settle would otherwise come back here (Scheduler._account_finished) to find that.
+            job._loop_owned = False
             report()  # on the loop: settle it here, now
             # Its span is read later (read_spans): while the loop polls its next job, by the
             # lane's threads, or when asked; at the loop's next turn once many are waiting
