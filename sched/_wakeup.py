@@ -30,7 +30,14 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from anyio import lowlevel
+
 from streamlane.runtime.errors import NotSupported
+
+try:  # anyio's backend class for the running loop: its checkpoints without the per-call lookup
+    from anyio._core._eventloop import get_async_backend as _async_backend
+except ImportError:  # (private in anyio 4: the public functions do the same, looked up each time)
+    _async_backend = None
 
 __all__ = ["LoopWaker"]
 
@@ -40,7 +47,7 @@ class LoopWaker:
 
     __slots__ = ("_call_soon", "_closed_errors", "_current", "_identity", "_lock", "_loop",
                  "_loop_soon", "_pending", "_scheduled", "_soon", "_soon_closing", "_soon_running",
-                 "_soon_task", "backend", "loop_thread")
+                 "_soon_task", "backend", "checkpoint", "checkpoint_if_cancelled", "loop_thread")
 
     def __init__(self) -> None:
         self.backend = current_async_library()
@@ -67,6 +74,11 @@ class LoopWaker:
         else:
             raise NotSupported(f"the streamlane scheduler runs on asyncio (uvloop too) and trio, "
                                f"not on {self.backend!r}")
+        # anyio.lowlevel's checkpoint() and checkpoint_if_cancelled(), for this loop's thread
+        # only: each call of those looks the backend up again (~1 us on the 2-core VM).
+        backend = _async_backend() if _async_backend is not None else lowlevel
+        self.checkpoint: Callable[[], Any] = backend.checkpoint
+        self.checkpoint_if_cancelled: Callable[[], Any] = backend.checkpoint_if_cancelled
         self.loop_thread = threading.get_ident()
         self._lock = threading.Lock()
         self._pending: list[Callable[[], object]] = []

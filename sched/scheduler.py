@@ -54,7 +54,7 @@ from types import TracebackType
 from typing import Any
 
 import anyio
-from anyio.lowlevel import checkpoint, checkpoint_if_cancelled
+from anyio.lowlevel import checkpoint_if_cancelled
 
 from streamlane.runtime import Device, Event, Method, Result, Stream, get_device
 from streamlane.runtime.errors import (
@@ -487,9 +487,12 @@ class Scheduler:
                       after: Sequence[Job], stream: Any, awaited: bool) -> Job:
         """``submit``; ``awaited``: the caller awaits the job at once (``run``), so no burst
         can follow it and a lone job is enqueued by the loop here, not held back."""
-        await checkpoint_if_cancelled()
-        if (self._state is not _OPEN or self._broken is not None
-                or not self.waker.on_loop()):
+        if self._state is _OPEN and self.waker.on_loop():
+            await self.waker.checkpoint_if_cancelled()
+            if self._state is not _OPEN or self._broken is not None:
+                self._check_open()
+        else:  # raises: not open, or not this scheduler's loop
+            await checkpoint_if_cancelled()
             self._check_open()
         if not isinstance(method, Method):
             raise InvalidArgument(f"submit() takes a Method (program.method(name, device=...)), "
@@ -891,12 +894,12 @@ class Scheduler:
         if since >= YIELD_EVERY_S or (self._yielding and since >= YIELD_SHARED_S):
             await self.yield_to_loop()
         else:
-            await checkpoint_if_cancelled()
+            await self.waker.checkpoint_if_cancelled()
 
     async def yield_to_loop(self) -> None:
         self._yielding += 1
         try:
-            await checkpoint()
+            await self.waker.checkpoint()
         finally:
             self._yielding -= 1
         self._yielded_at = time.perf_counter()
