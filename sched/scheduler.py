@@ -585,14 +585,18 @@ class Scheduler:
         the job runs to completion in the background and its buffers are released then.
         """
         job = await self._submit(method, inputs, lane, after, stream, True)
-        return await job
+        return await job.wait_on_loop()  # (_submit checked that this is the loop)
 
     def _enqueue(self, method: Method, values: list[Any], lane: Lane, after: tuple[Job, ...],
                  stream: Any, state: _MethodState | None, awaited: bool,
                  ticket: list[Job], pin: object) -> Job:
         if self._parked is not None:  # a burst (or a job parked while this submit waited for
             self._unpark(inline=False)  # room): it goes to the lane thread, ahead of this job
-        producers = tuple(v.job for v in values if type(v) is JobOutput)
+        producers: tuple[Job, ...] = ()
+        for v in values:  # (a loop: most submits have no JobOutput, and no generator to make)
+            if type(v) is JobOutput:
+                producers = tuple(v.job for v in values if type(v) is JobOutput)
+                break
         if after or producers:
             device_waits = tuple(dict.fromkeys((*after, *producers)))
             host_waits = [j for j in device_waits if j.lane is not lane]
@@ -688,8 +692,12 @@ class Scheduler:
         a burst the lane thread enqueuing while the loop submits the next job spreads the
         burst's device starts less than the loop doing both (H200 figures in
         bench/NOTES.md)."""
-        return kernels_only and all(isinstance(v, (Result, JobOutput)) for v in values) and \
-            not method.may_wait_on_host()
+        if not kernels_only:
+            return False
+        for v in values:
+            if not isinstance(v, (Result, JobOutput)):
+                return False
+        return not method.may_wait_on_host()
 
     def _count_stream(self, job: Job, delta: int) -> int | None:
         """Count ``job`` in (+1) or out (-1) of the streams with jobs pending. Returns the
