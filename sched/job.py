@@ -278,20 +278,28 @@ class Job:
                 self.lane._core.check_loop_thread(  # raises
                     f"await {self.label} before it finished (once finished, any loop may)")
             await anyio.lowlevel.checkpoint()
+            return self._outcome()
+        return await self.wait_on_loop()
+
+    async def wait_on_loop(self) -> list[Result]:
+        """``wait()`` called in its scheduler's loop (``Scheduler.run``, which checked that)."""
+        if self._parked:  # a lone job the loop enqueues now, at its first await
+            self.lane._core.start_parked()
+        if self._finished:
+            await self.lane._core.checkpoint()
         else:
-            if self._parked:  # a lone job the loop enqueues now, at its first await
-                self.lane._core.start_parked()
-            if self._finished:
-                await self.lane._core.checkpoint()
-            else:
-                if self._is_published and self._enqueue_error is None:  # in flight: a short
-                    # poll may beat the waiter's wakeup (and gives a job the loop kept to the
-                    # waiter)
-                    await self.lane.poll(self)
-                if not self._finished and self._claimed:  # counted as done, its settle
-                    self.lane.observe(self)  # posted (or cut short by a Ctrl-C): settled here
-                if not self._finished:
-                    await self._wait_done()
+            if self._is_published and self._enqueue_error is None:  # in flight: a short
+                # poll may beat the waiter's wakeup (and gives a job the loop kept to the
+                # waiter)
+                await self.lane.poll(self)
+            if not self._finished and self._claimed:  # counted as done, its settle
+                self.lane.observe(self)  # posted (or cut short by a Ctrl-C): settled here
+            if not self._finished:
+                await self._wait_done()
+        return self._outcome()
+
+    def _outcome(self) -> list[Result]:
+        """A finished job's outputs (a new list each time), or its error raised."""
         self._seen()
         if self._error is not None:  # each await adds only its own frames (as a Future)
             raise self._error.with_traceback(self._error_tb)
