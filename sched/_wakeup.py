@@ -30,6 +30,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import anyio
 from anyio import lowlevel
 
 from streamlane.runtime.errors import NotSupported
@@ -47,7 +48,8 @@ class LoopWaker:
 
     __slots__ = ("_call_soon", "_closed_errors", "_current", "_identity", "_lock", "_loop",
                  "_loop_soon", "_pending", "_scheduled", "_soon", "_soon_closing", "_soon_running",
-                 "_soon_task", "backend", "checkpoint", "checkpoint_if_cancelled", "loop_thread")
+                 "_soon_task", "backend", "checkpoint", "checkpoint_if_cancelled", "loop_thread",
+                 "new_event")
 
     def __init__(self) -> None:
         self.backend = current_async_library()
@@ -74,11 +76,18 @@ class LoopWaker:
         else:
             raise NotSupported(f"the streamlane scheduler runs on asyncio (uvloop too) and trio, "
                                f"not on {self.backend!r}")
-        # anyio.lowlevel's checkpoint() and checkpoint_if_cancelled(), for this loop's thread
-        # only: each call of those looks the backend up again (~1 us on the 2-core VM).
-        backend = _async_backend() if _async_backend is not None else lowlevel
-        self.checkpoint: Callable[[], Any] = backend.checkpoint
-        self.checkpoint_if_cancelled: Callable[[], Any] = backend.checkpoint_if_cancelled
+        # anyio.lowlevel's checkpoint() and checkpoint_if_cancelled(), and anyio.Event(), for
+        # this loop's thread only: each call of those looks the backend up again (~1 us on the
+        # 2-core VM).
+        if _async_backend is not None:
+            backend = _async_backend()
+            self.checkpoint: Callable[[], Any] = backend.checkpoint
+            self.checkpoint_if_cancelled: Callable[[], Any] = backend.checkpoint_if_cancelled
+            self.new_event: Callable[[], anyio.Event] = backend.create_event
+        else:
+            self.checkpoint = lowlevel.checkpoint
+            self.checkpoint_if_cancelled = lowlevel.checkpoint_if_cancelled
+            self.new_event = anyio.Event
         self.loop_thread = threading.get_ident()
         self._lock = threading.Lock()
         self._pending: list[Callable[[], object]] = []

@@ -383,7 +383,7 @@ class Job:
     async def _wait_done(self) -> None:
         """Wait until the job is settled (loop thread; without the poll's fast path)."""
         if self._done is None:
-            self._done = anyio.Event()
+            self._done = self.lane._core.waker.new_event()
         await self._done.wait()
         self.lane._core.yielded()
 
