@@ -509,6 +509,27 @@ async def test_cancelling_an_await_leaves_the_job_running(device):
     np.testing.assert_array_equal(out.to_host(), 2 * data(4))
 
 
+async def test_a_submit_in_a_cancelled_scope_raises_the_cancellation_and_submits_nothing(device):
+    """``submit()`` and ``run()`` are cancellation points before they take anything: in a
+    cancelled scope they raise its cancellation and queue no job, on a lane's stream or a
+    caller stream (the loop's lone-job path), and the scheduler goes on."""
+    method = double_program().method("forward", device=device)
+    stream = device.create_stream()
+    with anyio.fail_after(30):
+        async with Scheduler(device, lanes=1) as sched:
+            for kw in ({}, {"stream": stream}):
+                for call in (sched.submit, sched.run):
+                    with anyio.CancelScope() as scope:
+                        scope.cancel()
+                        await call(method, [data(4)], **kw)
+                    assert scope.cancelled_caught, (call.__name__, kw)
+                    assert sched.pending == 0
+                    assert [s.queued + s.in_flight + s.completed
+                            for s in sched.statistics()] == [0]
+            (out,) = await sched.run(method, [data(4)], stream=stream)
+    np.testing.assert_array_equal(out.to_host(), 2 * data(4))
+
+
 async def test_cancel_storm_survivors_are_correct_and_nothing_leaks(host):
     """2,000 in-flight awaits, half cancelled at random: every survivor is right, the buffer pool
     and the thread count return to their baseline, nothing hangs."""
