@@ -279,9 +279,9 @@ class Job:
                     f"await {self.label} before it finished (once finished, any loop may)")
             await anyio.lowlevel.checkpoint()
             return self._outcome()
-        return await self.wait_on_loop()
+        return await self._wait_on_loop()
 
-    async def wait_on_loop(self) -> list[Result]:
+    async def _wait_on_loop(self) -> list[Result]:
         """``wait()`` called in its scheduler's loop (``Scheduler.run``, which checked that)."""
         if self._parked:  # a lone job the loop enqueues now, at its first await
             self.lane._core.start_parked()

@@ -585,7 +585,7 @@ class Scheduler:
         the job runs to completion in the background and its buffers are released then.
         """
         job = await self._submit(method, inputs, lane, after, stream, True)
-        return await job.wait_on_loop()  # (_submit checked that this is the loop)
+        return await job._wait_on_loop()  # (_submit checked that this is the loop)
 
     def _enqueue(self, method: Method, values: list[Any], lane: Lane, after: tuple[Job, ...],
                  stream: Any, state: _MethodState | None, awaited: bool,
