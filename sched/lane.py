@@ -256,9 +256,18 @@ class Lane:
         ``statistics()`` from another thread or loop) it does nothing."""
         if not job._loop_owned or not self._core.waker.on_loop():
             return
-        job._loop_owned = False
-        if not self._complete_on_loop(job):
-            self._hand(job)
+        try:
+            job._loop_owned = False
+            if not self._complete_on_loop(job):
+                self._hand(job)
+        except BaseException:
+            # A Ctrl-C: the loop has let go of the job, so the waiter must have it unless it
+            # was settled (else it would hold its lane's room until the scheduler closes).
+            with self._lock:
+                handed = job in self._handed_jobs
+            if not job._claimed and not job._finished and not handed:
+                self._hand(job)
+            raise
 
     def observe(self, job: Job) -> None:
         """Loop thread, when user code looks at ``job`` (``done()``, ``state``,
@@ -310,7 +319,13 @@ class Lane:
             # Claimed here: nothing left to hand to the waiter. Cleared before the report, whose
             # settle would otherwise come back here (Scheduler._account_finished) to find that.
             job._loop_owned = False
-            report()  # on the loop: settle it here, now
+            try:
+                report()  # on the loop: settle it here, now
+            finally:
+                # Cut short (a Ctrl-C) before it settled the job it claimed: nobody else will,
+                # and the job would hold its lane's room until the scheduler closes.
+                if not job._finished:
+                    self._core.finish(job, DONE, None)
             # Its span is read later (read_spans): while the loop polls its next job, by the
             # lane's threads, or when asked; at the loop's next turn once many are waiting
             # (again past 4x that, should an interrupt have lost the queued read).

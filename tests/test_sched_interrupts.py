@@ -470,6 +470,9 @@ callee, caller, of, resumed, via = {
     "publish": ("unpin", "_publish", job_module, False, None),  # stream not yet unpinned
     "room": ("acquire", "_submit", scheduler, True, None),  # woken with the room, resuming
     "claimed": ("finish_batch", "__call__", lane, False, "_complete_on_loop"),  # after claim
+    "release": ("_complete_on_loop", "release", lane, False, None),  # the poll lets go of it
+    "report": ("finish_batch", "__call__", lane, False, "_complete_on_loop"),  # as "claimed",
+    # with two slots, so that the loop keeps the job for its poll (one slot: the waiter has it)
     "stored": ("__call__", "_execute", lane, False, None),  # the loop's own enqueue starts
     "guard": ("__exit__", "_execute", lane, False, None),  # as it leaves the caller stream
 }[case]
@@ -498,10 +501,11 @@ dev = get_device("host")
 stream = dev.create_stream()
 
 async def main():
-    poll_us = {"finish": 0, "claimed": 100_000}.get(case, 50)
-    async with Scheduler(dev, lanes=2, queue_size=1, poll_us=poll_us) as sched:
-        m = (spin_program(20_000) if case == "publish" else double_program()).method(
-            "forward", device=dev)
+    poll_us = {"finish": 0, "claimed": 100_000, "report": 1_000_000}.get(case, 50)
+    queue_size = 2 if case == "report" else 1
+    async with Scheduler(dev, lanes=2, queue_size=queue_size, poll_us=poll_us) as sched:
+        m = (spin_program(20_000) if case in ("publish", "release") else
+             double_program()).method("forward", device=dev)
         await sched.run(m, [data(0)], lane=0)
         if case == "room":  # lane 0's only slot held until the gate opens
             gate = Gate(data(5))
@@ -510,7 +514,8 @@ async def main():
         job = None
         sys.settrace(trace)
         try:
-            if case in ("publish", "claimed", "stored", "guard"):  # the loop enqueues it itself
+            if case in ("publish", "claimed", "release", "report", "stored", "guard"):  # the loop
+                # enqueues it itself
                 job = await sched.submit(m, [Result.from_host(data(1), dev)], lane=0,
                                          stream=stream)
                 await job
@@ -520,6 +525,9 @@ async def main():
         except KeyboardInterrupt:
             pass
         sys.settrace(None)
+        # Before anyone looks at the job (an await, done(), sched.pending settle what the
+        # device has finished): does it still hold its room, which a submit would wait for?
+        print("AFTER, outstanding", sched.lanes[0].outstanding)
         with anyio.fail_after(10):
             if case == "room":
                 await held
@@ -547,7 +555,8 @@ print("FIRED", fired, "STREAM", "destroyed" if stream._closed else "pinned")
 # `claimed` (the loop's poll settling a job it claimed) is left out: under pytest the job is
 # often settled another way and the injection never fires (review17's r7 script reproduces it
 # on its own: a second await of the job waited forever; it returns with the fix).
-@pytest.mark.parametrize("case", ["finish", "publish", "room", "stored", "guard"])
+@pytest.mark.parametrize("case", ["finish", "publish", "room", "stored", "guard", "release",
+                                  "report"])
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
 def test_an_interrupt_at_a_real_checkpoint_leaves_nothing_stranded(backend, case):
     """From a second review: a Ctrl-C raised where a real signal can land (as a called
@@ -558,10 +567,18 @@ def test_an_interrupt_at_a_real_checkpoint_leaves_nothing_stranded(backend, case
     stream was never destroyed). `room`: as a submit waiting for room is woken with it: the
     room was lost, so with queue_size=1 every later submit to the lane waited forever.
     `stored`: as the loop's own enqueue sets the inputs: the interrupt became the job's error,
-    raised again by every later await of it and as the cause of its dependents' errors."""
+    raised again by every later await of it and as the cause of its dependents' errors.
+    From a third: `release`, as the loop's poll gives up on an unfinished job and lets go of
+    it: neither the loop nor the waiter had it, so its await and the next submit to its full
+    lane waited forever. `report`, as the poll's own settle of a job it claimed starts: the
+    job kept its lane's room until someone looked at it (one slot: a submit waited forever)."""
     out = _run(CALL_INTO, backend, HERE, case)
     assert "HUNG" not in out.stdout and f"FIRED ['{case}']" in out.stdout, out
     assert "STREAM destroyed" in out.stdout, out
+    if case == "report":  # settled as the interrupt left: its room given back at once
+        assert "AFTER, outstanding 0" in out.stdout, out
+    if case in ("release", "report"):
+        assert "JOB done" in out.stdout, out
     if case == "finish" and backend == "asyncio":  # from a settle callback: out of the loop
         assert "RESULT raised KeyboardInterrupt" in out.stdout, out
     elif case == "finish":  # trio: a run_sync_soon callback raised
