@@ -425,6 +425,26 @@ def test_handoff_to_a_caller_stream_waits_on_the_device(device):
             check(p, [x], [r])
 
 
+def test_the_constants_upload_orders_the_first_execute_on_another_stream(host):
+    """A method uploads its constants on its maker's stream; its first execute, on another
+    stream, waits for that upload on the device (rule 4: the upload is the method's last work)
+    instead of reading constants not yet written. (Host device only: on CUDA a method made
+    behind a held latch waits for it on the host, to load its kernels and to copy pageable
+    memory.)"""
+    p = mlp()
+    x = x_for(p)
+    with host.create_latch() as latch, host.create_stream() as s:
+        latch.hold(host.per_thread_stream())
+        m = p.method("forward", device=host)  # its constants' upload waits behind the latch
+        with CallerStream(s):
+            r = m([x])[0]
+        time.sleep(0.05)
+        assert not r.ready()
+        latch.release()
+        with CallerStream(s):
+            check(p, [x], [r])
+
+
 def test_a_thread_reusing_an_ended_threads_id_is_still_handed_off(host):
     """CPython gives a new thread the id of one that ended. A thread's end drains its
     per-thread stream, as on CUDA (before, the host device let a thread end with its stream
