@@ -813,6 +813,56 @@ def _lines_of(*functions):
                                 if line is not None})]
 
 
+def test_an_execute_cut_short_with_nothing_to_mark_its_end_makes_the_next_wait_for_the_device(
+        host, monkeypatch):
+    """An execute interrupted partway whose end cannot be marked either (the record itself cut
+    short: a second Ctrl-C, or its stream closed by another thread): the next execute, on
+    another stream, waits for the whole device before it rewrites the output buffers the
+    first one's held work is still writing (rules 4 and 8)."""
+    import sys
+
+    from sched_helpers import Interrupt, RaiseAt
+
+    b = Program.build("two", constants={"c": np.full((8, 8), 0.5, np.float32)})
+    mb = b.method("forward", x=("float32", [8, 8]))
+    h = mb.step("add", "x", "c")
+    mb.output(mb.step("scale", h, out="y0", factor=2.0), mb.step("relu", h, out="y1"))
+    m = b.finish().method("forward", device=host)
+    x0, x1, x2 = (np.full((8, 8), v, np.float32) for v in (1.0, 2.0, 3.0))
+    kept = m([x0])  # both outputs' first buffers held: the next executes take the second ones
+    record = host._record
+
+    def mark_cut_short(event, impl):
+        if sys._getframe(1).f_code.co_name == "_order_after_failure":
+            raise Interrupt
+        return record(event, impl)
+
+    with host.create_latch() as latch, host.create_stream() as s1, \
+            host.create_stream() as s2:
+        latch.hold(s1)
+        monkeypatch.setattr(host, "_record", mark_cut_short)
+        # Cut short before its third step: the first two (the second writes y0) wait on s1.
+        cut = RaiseAt(method_module.Method._enqueue, "run(stream, [arrays[k]", nth=3)
+        with pytest.raises(Interrupt), cut, CallerStream(s1):
+            m([x1])
+        monkeypatch.undo()
+        assert m.may_wait_on_host()
+        opener = threading.Timer(0.5, latch.release)
+        opener.start()
+        started = time.monotonic()
+        with CallerStream(s2):
+            again = m([x2])
+        waited = time.monotonic() - started
+        opener.join()
+        host.synchronize()
+    for r, want in zip(again, (2 * (x2 + 0.5), x2 + 0.5), strict=True):
+        np.testing.assert_array_equal(r.to_host(), want)
+    for r, want in zip(kept, (2 * (x0 + 0.5), x0 + 0.5), strict=True):
+        np.testing.assert_array_equal(r.to_host(), want)
+    assert waited >= 0.4, waited  # it waited for the held work: the latch, then that work
+    assert not m.may_wait_on_host()
+
+
 def test_a_ctrl_c_anywhere_in_execute_leaves_the_next_execute_ordered(host):
     """A Ctrl-C raised at each line of execute in turn (sys.settrace line events: where a
     signal lands), while that execute's earlier work is held on its stream by a latch. The
