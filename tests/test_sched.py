@@ -56,9 +56,13 @@ async def test_run_gives_outputs_that_match_the_float64_reference(device):
         np.testing.assert_allclose(out[0].to_host(), want, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("after", [True, False], ids=["after", "job-output-only"])
-async def test_a_dependent_waits_on_the_device_while_a_latch_holds_its_producer(device, after):
-    """after=[a] orders b on the device; so does passing a's output alone (no after=)."""
+@pytest.mark.parametrize("b_lane", [1, 0], ids=["other-lane", "same-lane"])
+@pytest.mark.parametrize("how", ["after", "job-output-only", "after-only"])
+async def test_a_dependent_waits_on_the_device_while_a_latch_holds_its_producer(device, how,
+                                                                              b_lane):
+    """after=[a] orders b on the device; so does passing a's output alone (no after=), and
+    after=[a] alone (b reads none of a's outputs). Also on a's own lane, where a ran on a
+    caller stream and b runs on the lane's stream."""
     first, second = (double_program(n).method("forward", device=device) for n in ("a", "b"))
     x = data(1)
     held = device.create_stream()
@@ -67,8 +71,8 @@ async def test_a_dependent_waits_on_the_device_while_a_latch_holds_its_producer(
             with device.create_latch() as latch:
                 latch.hold(held)
                 a = await sched.submit(first, [x], lane=0, stream=held)
-                b = await sched.submit(second, [a.outputs[0]], lane=1,
-                                       after=[a] if after else ())
+                b = await sched.submit(second, [x if how == "after-only" else a.outputs[0]],
+                                       lane=b_lane, after=[] if how == "job-output-only" else [a])
                 await wait_until(lambda: b.state == "running")  # enqueued: its lane did not block
                 await anyio.sleep(0.05)
                 assert not a.done() and not b.done()
@@ -77,7 +81,7 @@ async def test_a_dependent_waits_on_the_device_while_a_latch_holds_its_producer(
                 (out,) = await b
                 assert a.event.query()  # a finished on the device before b
                 assert a.done()  # and done() says so, whenever a's own lane reports it
-        np.testing.assert_array_equal(out.to_host(), 4 * x)
+        np.testing.assert_array_equal(out.to_host(), (2 if how == "after-only" else 4) * x)
         assert b.span[0] >= a.span[1]  # timing events: b started after a ended
 
 
