@@ -409,13 +409,15 @@ def test_handoff_to_another_thread_waits_on_the_device(device):
     check(p, [x2], [r2])
 
 
-def test_handoff_to_a_caller_stream_waits_on_the_device(device):
-    p = mlp()
-    m = p.method("forward", device=device)
+def _held_work_orders_a_caller_stream_execute(device, p, before_on_held):
+    """With the thread's per-thread stream held by a latch, ``before_on_held(x)`` gives a
+    method of program ``p`` after putting its last work there; its execute on a caller stream
+    must wait for that work on the device (rule 4), and come out right once the latch lets
+    go."""
     x = x_for(p)
     with device.create_latch() as latch, device.create_stream() as s:
         latch.hold(device.per_thread_stream())
-        m([x])
+        m = before_on_held(x)
         with CallerStream(s):
             r = m([x])[0]
         time.sleep(0.05)
@@ -423,6 +425,17 @@ def test_handoff_to_a_caller_stream_waits_on_the_device(device):
         latch.release()
         with CallerStream(s):
             check(p, [x], [r])
+
+
+def test_handoff_to_a_caller_stream_waits_on_the_device(device):
+    p = mlp()
+    m = p.method("forward", device=device)  # made (its kernels loaded) before the latch
+
+    def executed_on_held(x):
+        m([x])
+        return m
+
+    _held_work_orders_a_caller_stream_execute(device, p, executed_on_held)
 
 
 def test_the_constants_upload_orders_the_first_execute_on_another_stream(host):
@@ -432,17 +445,8 @@ def test_the_constants_upload_orders_the_first_execute_on_another_stream(host):
     behind a held latch waits for it on the host, to load its kernels and to copy pageable
     memory.)"""
     p = mlp()
-    x = x_for(p)
-    with host.create_latch() as latch, host.create_stream() as s:
-        latch.hold(host.per_thread_stream())
-        m = p.method("forward", device=host)  # its constants' upload waits behind the latch
-        with CallerStream(s):
-            r = m([x])[0]
-        time.sleep(0.05)
-        assert not r.ready()
-        latch.release()
-        with CallerStream(s):
-            check(p, [x], [r])
+    _held_work_orders_a_caller_stream_execute(  # its constants' upload waits behind the latch
+        host, p, lambda x: p.method("forward", device=host))
 
 
 def test_a_thread_reusing_an_ended_threads_id_is_still_handed_off(host):
