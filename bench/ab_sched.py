@@ -12,10 +12,10 @@ relay when the order was fixed (``sched-ab-cuda.txt``).
 
 Measures, per loop: the p50 and mean await of a lone caller-stream job (``bench_sched.py``
 (a), "caller stream"), through ``run`` and through ``submit`` then ``await``; the wall time of
-bursts of 8 single-block 200 us spins on 8 caller streams, with the lane thread enqueuing them
-and by default; and the relay (500 tasks awaiting tiny programs on 4 caller streams,
-``bench_sched.py`` (c)): programs/s and the p99 await. Timing events off, unless ``--timing``.
-Prints one line per figure: the median over the rounds for each version.
+bursts of 8 single-block 200 us spins on 8 caller streams (``--burst``, ``--spin-us``), with the
+lane thread enqueuing them and by default; and the relay (500 tasks awaiting tiny programs on 4
+caller streams, ``bench_sched.py`` (c)): programs/s and the p99 await. Timing events off, unless
+``--timing``. Prints one line per figure: the median over the rounds for each version.
 """
 
 from __future__ import annotations
@@ -58,6 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--loops", default="asyncio,trio")
     parser.add_argument("--only", default="lone,burst,relay")
+    parser.add_argument("--spin-us", type=int, default=200,
+                        help="each burst job's single-block spin (the overlap goal's: 2000)")
+    parser.add_argument("--burst", default="8", metavar="N,N,...",
+                        help="burst sizes (jobs on as many caller streams of one lane)")
     parser.add_argument("--timing", action="store_true",
                         help="schedulers with timing events on (the default's), not off")
     args = parser.parse_args(argv)
@@ -71,10 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     tiny = tiny_program(256).method("forward", device=dev)
     x = Result.from_host(np.ones(256, np.float32), dev)
     x.to_host()
-    spins = [spin_program(200).method("forward", device=dev) for _ in range(8)]
+    sizes = [int(n) for n in args.burst.split(",")]
+    spins = [spin_program(args.spin_us).method("forward", device=dev) for _ in range(max(sizes))]
     one = Result.from_host(np.ones(1, np.float32), dev)
     one.to_host()
-    streams = [dev.create_stream() for _ in range(8)]
+    streams = [dev.create_stream() for _ in range(max(8, *sizes))]
 
     async def lone(scheduler: Any, via_submit: bool) -> tuple[float, float]:
         async with scheduler(dev, lanes=1, timing=args.timing) as sched:
@@ -90,12 +95,12 @@ def main(argv: list[str] | None = None) -> int:
                 ns.append(time.perf_counter_ns() - t)
             return float(np.percentile(ns, 50)) / 1e3, float(np.mean(ns)) / 1e3
 
-    async def burst(scheduler: Any, inline: bool) -> float:
+    async def burst(scheduler: Any, inline: bool, n: int) -> float:
         async with scheduler(dev, lanes=1, timing=args.timing, inline=inline) as sched:
             walls = []
             for r in range(45):
                 t = time.perf_counter_ns()
-                jobs = [await sched.submit(spins[i], [one], stream=streams[i]) for i in range(8)]
+                jobs = [await sched.submit(spins[i], [one], stream=streams[i]) for i in range(n)]
                 for job in jobs:
                     await job
                 if r >= 5:
@@ -127,8 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     figures = {"lone": [(("lone await p50 us", "lone await mean us"), lone, (False,)),
                         (("lone submit, await p50 us", "lone submit, await mean us"), lone,
                          (True,))],
-               "burst": [(("burst of 8, lane enqueues, wall us",), burst, (False,)),
-                         (("burst of 8, default, wall us",), burst, (True,))],
+               "burst": [figure for n in sizes for figure in (
+                   ((f"burst of {n}, lane enqueues, wall us",), burst, (False, n)),
+                   ((f"burst of {n}, default, wall us",), burst, (True, n)))],
                "relay": [(("relay programs/s", "relay p99 ms"), relay, ())]}
     labels = list(versions)
     for loop in args.loops.split(","):

@@ -1207,6 +1207,32 @@ async def test_a_caller_stream_job_done_behind_a_held_one_of_its_lane_is_awaited
     np.testing.assert_allclose(y.to_host(), 2 * data(0), rtol=1e-6)
 
 
+async def test_a_burst_with_inputs_on_the_device_done_behind_a_held_one_is_awaited(device):
+    """The same with inputs already on the device, the jobs submitted back to back: the held
+    job, lone when submitted, is held back for its await (and may be the loop's to enqueue),
+    the others follow it. Jobs done behind it must still be reported, by whichever thread
+    enqueued them."""
+    a, b, c = (double_program(n).method("forward", device=device) for n in ("a", "b", "c"))
+    s1, s2, s3 = (device.create_stream() for _ in range(3))
+    xs = [Result.from_host(data(i), device) for i in range(3)]
+    with anyio.fail_after(30):
+        async with Scheduler(device, lanes=1) as sched:
+            with device.create_latch() as latch:
+                latch.hold(s1)
+                held = await sched.submit(a, [xs[0]], stream=s1)
+                jb = await sched.submit(b, [xs[1]], stream=s2)
+                jc = await sched.submit(c, [xs[2]], stream=s3)
+                for job, x in ((jb, data(1)), (jc, data(2))):
+                    with anyio.fail_after(5):
+                        (y,) = await job
+                    with CallerStream(job.stream):
+                        np.testing.assert_allclose(y.to_host(), 2 * x, rtol=1e-6)
+                assert held.state == "running"
+                latch.release()
+            (y,) = await held
+    np.testing.assert_allclose(y.to_host(), 2 * data(0), rtol=1e-6)
+
+
 async def test_a_job_done_behind_a_held_one_is_awaited_while_its_lane_stays_busy(device):
     """The lane thread looked behind the head only after LOOK_AFTER_S (1 ms) without a new
     job: with another task submitting to the lane without pause, a job done on another stream

@@ -223,6 +223,43 @@ async def test_the_head_of_a_burst_goes_to_the_lane_thread_in_submit_order(devic
     assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans)), f"out of order: {spans}"
 
 
+async def test_a_job_whose_producer_is_not_published_is_not_the_loops(
+        device, executing_threads, monkeypatch):
+    """A caller-stream job reading the output of a job its lane thread has enqueued but not
+    yet published (the thread is between the two) is not the loop's to enqueue, though
+    nothing is queued for that thread any more: the loop would read outputs that do not exist
+    yet. (Guards any rule that lets the loop enqueue more than lone jobs: one such was tried,
+    bench/NOTES.md, twenty-second session.)"""
+    from streamlane.sched.job import Job
+
+    producer_m = double_program("producer").method("forward", device=device)
+    consumer_m = double_program("consumer").method("forward", device=device)
+    stream = device.create_stream()
+    x = on_device(data(6), device)
+    between = threading.Event()
+    go_on = threading.Event()
+    real = Job._publish
+    loop = threading.get_ident()
+
+    def publish(self, *args):
+        if self.name == "producer.forward" and threading.get_ident() != loop:
+            between.set()
+            go_on.wait(10)
+        return real(self, *args)
+
+    monkeypatch.setattr(Job, "_publish", publish)
+    with anyio.fail_after(30):
+        async with Scheduler(device, lanes=1) as sched:
+            producer = await sched.submit(producer_m, [x])  # the lane's own stream: its thread
+            await anyio.to_thread.run_sync(between.wait, 10)
+            consumer = await sched.submit(consumer_m, [producer.outputs[0]], stream=stream)
+            go_on.set()
+            (y,) = await consumer
+            await producer
+    assert executing_threads["consumer.forward"] != [loop]
+    np.testing.assert_allclose(y.to_host(), 4 * data(6), rtol=1e-6)
+
+
 async def test_run_enqueues_a_lone_job_at_once_and_holds_nothing_back(device, monkeypatch,
                                                                        executing_threads):
     """``run`` awaits its job at once, so no burst can follow: the loop enqueues a lone job
