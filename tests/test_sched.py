@@ -1182,46 +1182,26 @@ async def test_each_await_of_a_failed_job_gets_only_its_own_traceback(device):
 
 
 
+@pytest.mark.parametrize("inputs", ["host", "device"])
 @pytest.mark.parametrize("lanes", [1, 2])
-async def test_a_caller_stream_job_done_behind_a_held_one_of_its_lane_is_awaited(device, lanes):
+async def test_a_caller_stream_job_done_behind_a_held_one_of_its_lane_is_awaited(device, lanes,
+                                                                                 inputs):
     """Deliberate overlap, observed from async code: a job on caller stream s1 is held by a
     latch; jobs on s2 and s3 of the same lane finish on the device. Their awaits waited for
-    the held job (the lane's waiter reports in order), though done() said they were done."""
+    the held job (the lane's waiter reports in order), though done() said they were done.
+    With inputs already on the device the held job, lone when submitted, is held back for its
+    await (and may be the loop's to enqueue): jobs done behind it must still be reported, by
+    whichever thread enqueued them."""
     a, b, c = (double_program(n).method("forward", device=device) for n in ("a", "b", "c"))
     s1, s2, s3 = (device.create_stream() for _ in range(3))
+    xs = [data(i) if inputs == "host" else Result.from_host(data(i), device) for i in range(3)]
     with anyio.fail_after(30):
         async with Scheduler(device, lanes=lanes) as sched:
             with device.create_latch() as latch:
                 latch.hold(s1)
-                held = await sched.submit(a, [data(0)], stream=s1, lane=0)
-                jb = await sched.submit(b, [data(1)], stream=s2, lane=0)
-                jc = await sched.submit(c, [data(2)], stream=s3, lane=lanes - 1)
-                for job, x in ((jb, data(1)), (jc, data(2))):
-                    with anyio.fail_after(5):
-                        (y,) = await job
-                    with CallerStream(job.stream):
-                        np.testing.assert_allclose(y.to_host(), 2 * x, rtol=1e-6)
-                assert held.state == "running"
-                latch.release()
-            (y,) = await held
-    np.testing.assert_allclose(y.to_host(), 2 * data(0), rtol=1e-6)
-
-
-async def test_a_burst_with_inputs_on_the_device_done_behind_a_held_one_is_awaited(device):
-    """The same with inputs already on the device, the jobs submitted back to back: the held
-    job, lone when submitted, is held back for its await (and may be the loop's to enqueue),
-    the others follow it. Jobs done behind it must still be reported, by whichever thread
-    enqueued them."""
-    a, b, c = (double_program(n).method("forward", device=device) for n in ("a", "b", "c"))
-    s1, s2, s3 = (device.create_stream() for _ in range(3))
-    xs = [Result.from_host(data(i), device) for i in range(3)]
-    with anyio.fail_after(30):
-        async with Scheduler(device, lanes=1) as sched:
-            with device.create_latch() as latch:
-                latch.hold(s1)
-                held = await sched.submit(a, [xs[0]], stream=s1)
-                jb = await sched.submit(b, [xs[1]], stream=s2)
-                jc = await sched.submit(c, [xs[2]], stream=s3)
+                held = await sched.submit(a, [xs[0]], stream=s1, lane=0)
+                jb = await sched.submit(b, [xs[1]], stream=s2, lane=0)
+                jc = await sched.submit(c, [xs[2]], stream=s3, lane=lanes - 1)
                 for job, x in ((jb, data(1)), (jc, data(2))):
                     with anyio.fail_after(5):
                         (y,) = await job
