@@ -1190,8 +1190,9 @@ async def test_a_caller_stream_job_done_behind_a_held_one_of_its_lane_is_awaited
     latch; jobs on s2 and s3 of the same lane finish on the device. Their awaits waited for
     the held job (the lane's waiter reports in order), though done() said they were done.
     With inputs already on the device the held job, lone when submitted, is held back for its
-    await (and may be the loop's to enqueue): jobs done behind it must still be reported, by
-    whichever thread enqueued them."""
+    await and handed to the lane thread by the next submit (a rule that had the loop enqueue
+    the burst was tried: bench/NOTES.md, twenty-second session): jobs done behind it must
+    still be reported, whichever thread enqueued them."""
     a, b, c = (double_program(n).method("forward", device=device) for n in ("a", "b", "c"))
     s1, s2, s3 = (device.create_stream() for _ in range(3))
     xs = [data(i) if inputs == "host" else Result.from_host(data(i), device) for i in range(3)]
