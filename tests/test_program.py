@@ -6,6 +6,8 @@ import copy
 import json
 import os
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -1198,3 +1200,28 @@ def test_the_builder_refuses_an_output_declared_twice():
     start = time.perf_counter()  # the check is linear: 40,000 names took 9 s when it was not
     b.method("wide", x=("float32", [4])).output(*[f"o{i}" for i in range(40_000)])
     assert time.perf_counter() - start < 3
+
+
+@pytest.mark.parametrize("where", ["file", "under_file", "folder_named_like_a_manifest"])
+def test_examples_command_refuses_a_folder_it_cannot_write_in_one_line(tmp_path, where):
+    """``python -m streamlane.runtime.examples DIR`` where DIR cannot take the files: one
+    line on stderr naming it, status 1, no traceback."""
+    (tmp_path / "f").write_text("x")
+    (tmp_path / "d" / "encoder.json").mkdir(parents=True)
+    folder = {"file": tmp_path / "f", "under_file": tmp_path / "f" / "sub",
+              "folder_named_like_a_manifest": tmp_path / "d"}[where]
+    done = subprocess.run([sys.executable, "-m", "streamlane.runtime.examples", str(folder)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done
+    assert "Traceback" not in done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(folder) in lines[0], done.stderr
+    assert done.stdout == ""
+
+
+def test_examples_command_writes_both_programs(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "streamlane.runtime.examples",
+                           str(tmp_path / "new")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done
+    for name in ("encoder", "decoder"):
+        assert Program.load(tmp_path / "new" / f"{name}.json").name == name

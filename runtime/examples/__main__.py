@@ -3,15 +3,35 @@
 the package's own folder (``runtime/examples`` in a checkout)."""
 
 import argparse
+import sys
 from pathlib import Path
 
+from ..errors import StreamlaneError
 from . import write_examples
 
-parser = argparse.ArgumentParser(prog="python -m streamlane.runtime.examples",
-                                 description=__doc__.split("\n\n")[0])
-parser.add_argument("folder", type=Path, help="where to write encoder.json/.npz and "
-                                              "decoder.json/.npz (created if missing)")
-args = parser.parse_args()
-args.folder.mkdir(parents=True, exist_ok=True)
-write_examples(args.folder)
-print(f"wrote {args.folder / 'encoder.json'} and {args.folder / 'decoder.json'} (+ .npz)")
+
+def main(argv: "list[str] | None" = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m streamlane.runtime.examples",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("folder", type=Path, help="where to write encoder.json/.npz and "
+                                                  "decoder.json/.npz (created if missing)")
+    args = parser.parse_args(argv)
+    if args.folder.exists() and not args.folder.is_dir():
+        print(f"{parser.prog}: {str(args.folder)!r} is a file, not a folder; name a folder "
+              f"(created if missing)", file=sys.stderr)
+        return 1
+    try:
+        args.folder.mkdir(parents=True, exist_ok=True)
+        write_examples(args.folder)
+    except (OSError, StreamlaneError) as exc:  # a file in the way, no permission, a full disk
+        reason = f"{exc.strerror}: {exc.filename}" if isinstance(exc, OSError) and \
+            exc.strerror and exc.filename else str(exc)
+        print(f"{parser.prog}: cannot write the examples into {str(args.folder)!r}: {reason}",
+              file=sys.stderr)
+        return 1
+    print(f"wrote {args.folder / 'encoder.json'} and {args.folder / 'decoder.json'} (+ .npz)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
