@@ -54,6 +54,7 @@ def _parser() -> argparse.ArgumentParser:
                       help="small: the shipped example programs (batch 8, width 256); large: "
                            "the same programs at batch 16, width 4096, so GPU work dominates "
                            "(default: auto, large on a GPU, small on the host device)")
+    demo.set_defaults(subparser=demo)  # whose usage an unknown option is reported with
     return parser
 
 
@@ -91,7 +92,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     nowhere = None if sys.stdout is not None else open(os.devnull, "w")  # noqa: SIM115
     stdout = _Stdout(sys.stdout if nowhere is None else nowhere)
     try:
-        args = _parser().parse_args(argv)
+        # An option the demo does not know is the demo's error, with its usage: argparse
+        # would report it with the top-level usage, which lists no option.
+        args, unknown = _parser().parse_known_args(argv)
+        if unknown:
+            args.subparser.error(f"unrecognized arguments: {' '.join(unknown)}")
         if not 1 <= args.requests <= MAX_REQUESTS:
             return _fail(f"--requests must be in 1..{MAX_REQUESTS} (the demo prepares every "
                          f"request's input before it starts), got {args.requests}", 2)

@@ -465,3 +465,13 @@ def test_a_configuration_writes_its_files_as_its_last_round_ends(tmp_path, monke
     assert proc.returncode == 0, footer
     assert footer.split("┘", 1)[1].lstrip().startswith("overlap: sum of job durations"), footer
     assert "median" not in footer and "every round" not in footer
+
+
+def test_an_unknown_demo_option_is_reported_with_the_demos_usage(tmp_path):
+    """argparse reports an option no subcommand knows with the top-level usage, which lists
+    no option at all: the demo's usage is the one that helps."""
+    proc = demo("--device", "host", "--bogus", "1", cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert "usage: streamlane demo" in proc.stderr and "--requests" in proc.stderr
+    assert "unrecognized arguments: --bogus 1" in proc.stderr
+    assert list(tmp_path.iterdir()) == []
