@@ -947,6 +947,14 @@ class Scheduler:
             self._broken = broken
         self.waker.post(self._fail_pending)
 
+    def apply_break(self) -> None:
+        """Loop thread, for an observer (``pending``, ``statistics()``, a job's ``done()``,
+        ``state``, ``exception()``): once the scheduler is broken, fail its pending jobs now,
+        as the call ``break_`` posted will when the loop turns (it then finds them settled), so
+        that code polling without yielding sees the break."""
+        if self._broken is not None and self._pending:
+            self._fail_pending()
+
     def _fail_pending(self) -> None:
         for job in list(self._pending):
             error = self.broken_error()
@@ -1077,6 +1085,7 @@ class Scheduler:
         date."""
         if not self.may_update():
             return False
+        self.apply_break()
         if settle_all:
             self._settle_finished()
         else:

@@ -714,3 +714,79 @@ async def test_a_lone_job_the_loop_kept_and_a_break_failed_is_counted(host):
                     await a
     stats = sched.statistics()  # once every thread is joined
     assert [(s.queued, s.in_flight, s.completed) for s in stats] == [(0, 0, 1)] * 2, stats
+
+
+@pytest.mark.parametrize("look", ["pending", "done", "state", "exception"])
+async def test_a_break_is_seen_by_code_that_polls_without_yielding(host, look):
+    """Once the device failed and the scheduler is broken, code that polls without letting
+    the loop turn sees every pending job failed: ``pending``, ``done()``, ``state`` and
+    ``exception()`` agree with ``sched.broken`` and ``statistics()``. They used to wait for
+    the loop's next turn, which ran the posted failure of the pending jobs (a fuzzer:
+    ``pending`` 1 and the job ``running`` for as long as the loop did not yield, while
+    ``statistics()`` already counted it completed)."""
+    m = double_program("p").method("forward", device=host)
+    s = host.create_stream()
+    with anyio.fail_after(30):
+        async with Scheduler(host, lanes=1) as sched:
+            with host.create_latch() as latch:
+                latch.hold(s)
+                host.inject_failure(s, "injected kernel fault")
+                job = await sched.submit(m, [data(0)], stream=s)  # behind the fault
+                await wait_until(lambda: job.state == "running")
+                latch.release()
+                deadline = time.monotonic() + 10
+                while sched.broken is None and time.monotonic() < deadline:
+                    time.sleep(0.001)  # no yield: the loop runs nothing posted to it
+                assert sched.broken is not None
+                if look == "pending":
+                    assert sched.pending == 0
+                elif look == "done":
+                    assert job.done()
+                elif look == "state":
+                    assert job.state == "failed"
+                else:
+                    assert isinstance(job.exception(), SchedulerBroken)
+                assert job.state == "failed" and sched.pending == 0
+                (stats,) = sched.statistics()
+                assert (stats.queued, stats.in_flight, stats.completed) == (0, 0, 1), stats
+                with pytest.raises(SchedulerBroken):
+                    await job
+
+
+async def test_statistics_see_a_break_without_the_loop_turning(host, monkeypatch):
+    """The counts of a broken scheduler's lanes agree with the break at once: a job queued
+    for a lane thread held elsewhere is counted failed (completed) by the first
+    ``statistics()`` after the break, not once the loop turns."""
+    from streamlane.runtime.method import Method
+
+    slow, second, faulty = (double_program(n).method("forward", device=host)
+                            for n in ("slow", "second", "faulty"))
+    gate, inside = threading.Event(), threading.Event()
+    call = Method.__call__
+
+    def held_call(self, values, **kw):
+        if self is slow and not gate.is_set():
+            inside.set()
+            gate.wait(10)
+        return call(self, values, **kw)
+
+    monkeypatch.setattr(Method, "__call__", held_call)
+    held = host.create_stream()
+    with anyio.fail_after(30):
+        async with Scheduler(host, lanes=2) as sched:
+            try:
+                j0 = await sched.submit(slow, [data(0)], lane=0)
+                await wait_until(inside.is_set)  # lane 0's thread is inside j0's execute
+                j2 = await sched.submit(second, [data(1)], lane=0)  # queued behind it
+                j1 = await _fault_on_lane_1(sched, host, faulty, held)
+                deadline = time.monotonic() + 10
+                while sched.broken is None and time.monotonic() < deadline:
+                    time.sleep(0.001)  # no yield: the loop runs nothing posted to it
+                lane0, lane1 = sched.statistics()
+                assert (lane0.queued, lane0.in_flight, lane0.completed) == (0, 0, 2), lane0
+                assert (lane1.queued, lane1.in_flight, lane1.completed) == (0, 0, 1), lane1
+            finally:
+                gate.set()
+            for job in (j0, j1, j2):
+                with pytest.raises(SchedulerBroken):
+                    await job
