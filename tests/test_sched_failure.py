@@ -75,26 +75,36 @@ async def _fault_on_lane_1(sched, host, method, held, lane=1):
     return job
 
 
-async def test_statistics_agree_with_the_jobs_a_device_failure_failed(host, monkeypatch):
-    """Jobs still queued for a lane thread when the device failed were settled as failed on the
-    loop, but counted only once their lane's thread got to them: statistics() said queued=3,
-    completed=0 for a lane whose jobs had all been awaited (here its thread is held inside
-    its first job's execute, so it cannot get to the others). That held job, settled as
-    failed too, was still counted queued until its thread got out (found by a fuzzer)."""
+def _hold_calls_of(method, monkeypatch):
+    """Hold the thread calling ``method`` inside its call (``Method.__call__``, the lane's one
+    call per job) until the returned ``gate`` is set; ``inside`` is set once it is held."""
     from streamlane.runtime.method import Method
 
-    slow, second, third, faulty = (double_program(n).method("forward", device=host)
-                                   for n in ("slow", "second", "third", "faulty"))
     gate, inside = threading.Event(), threading.Event()
     call = Method.__call__
 
     def held_call(self, values, **kw):
-        if self is slow and not gate.is_set():
+        if self is method and not gate.is_set():
             inside.set()
             gate.wait(10)
         return call(self, values, **kw)
 
     monkeypatch.setattr(Method, "__call__", held_call)
+    return gate, inside
+
+
+@pytest.mark.parametrize("looked", ["after_the_awaits", "before_the_loop_turns"])
+async def test_statistics_agree_with_the_jobs_a_device_failure_failed(host, monkeypatch, looked):
+    """Jobs still queued for a lane thread when the device failed were settled as failed on the
+    loop, but counted only once their lane's thread got to them: statistics() said queued=3,
+    completed=0 for a lane whose jobs had all been awaited (here its thread is held inside
+    its first job's execute, so it cannot get to the others). That held job, settled as
+    failed too, was still counted queued until its thread got out (found by a fuzzer). The
+    counts agree with the break at once, before the loop turns to run the failure the
+    faulting lane posted to it (they waited for that turn: another fuzzer)."""
+    slow, second, third, faulty = (double_program(n).method("forward", device=host)
+                                   for n in ("slow", "second", "third", "faulty"))
+    gate, inside = _hold_calls_of(slow, monkeypatch)
     held = host.create_stream()
     with anyio.fail_after(30):
         async with Scheduler(host, lanes=2) as sched:
@@ -104,17 +114,21 @@ async def test_statistics_agree_with_the_jobs_a_device_failure_failed(host, monk
                 j2 = await sched.submit(second, [data(1)], lane=0)
                 j3 = await sched.submit(third, [data(2)], lane=0)
                 j1 = await _fault_on_lane_1(sched, host, faulty, held)
-                for job in (j1, j2, j3):
-                    with pytest.raises(SchedulerBroken):
-                        await job
-                assert j0.state == "failed"  # settled by the break while its thread holds it
+                if looked == "after_the_awaits":
+                    for job in (j1, j2, j3):
+                        with pytest.raises(SchedulerBroken):
+                            await job
+                    assert j0.state == "failed"  # settled by the break while its thread holds it
+                else:
+                    _until_broken_without_yielding(sched)
                 lane0, lane1 = sched.statistics()
                 assert (lane0.queued, lane0.in_flight, lane0.completed) == (0, 0, 3), lane0
                 assert (lane1.queued, lane1.in_flight, lane1.completed) == (0, 0, 1), lane1
             finally:
                 gate.set()
-            with pytest.raises(SchedulerBroken):
-                await j0
+            for job in (j0, j1, j2, j3):
+                with pytest.raises(SchedulerBroken):
+                    await job
 
 
 async def test_a_job_its_lane_refused_as_the_device_broke_is_counted_once(host):
@@ -728,65 +742,27 @@ async def test_a_break_is_seen_by_code_that_polls_without_yielding(host, look):
     s = host.create_stream()
     with anyio.fail_after(30):
         async with Scheduler(host, lanes=1) as sched:
-            with host.create_latch() as latch:
-                latch.hold(s)
-                host.inject_failure(s, "injected kernel fault")
-                job = await sched.submit(m, [data(0)], stream=s)  # behind the fault
-                await wait_until(lambda: job.state == "running")
-                latch.release()
-                deadline = time.monotonic() + 10
-                while sched.broken is None and time.monotonic() < deadline:
-                    time.sleep(0.001)  # no yield: the loop runs nothing posted to it
-                assert sched.broken is not None
-                if look == "pending":
-                    assert sched.pending == 0
-                elif look == "done":
-                    assert job.done()
-                elif look == "state":
-                    assert job.state == "failed"
-                else:
-                    assert isinstance(job.exception(), SchedulerBroken)
-                assert job.state == "failed" and sched.pending == 0
-                (stats,) = sched.statistics()
-                assert (stats.queued, stats.in_flight, stats.completed) == (0, 0, 1), stats
-                with pytest.raises(SchedulerBroken):
-                    await job
+            job = await _fault_on_lane_1(sched, host, m, s, lane=0)
+            _until_broken_without_yielding(sched)
+            if look == "pending":
+                assert sched.pending == 0
+            elif look == "done":
+                assert job.done()
+            elif look == "state":
+                assert job.state == "failed"
+            else:
+                assert isinstance(job.exception(), SchedulerBroken)
+            assert job.state == "failed" and sched.pending == 0
+            (stats,) = sched.statistics()
+            assert (stats.queued, stats.in_flight, stats.completed) == (0, 0, 1), stats
+            with pytest.raises(SchedulerBroken):
+                await job
 
 
-async def test_statistics_see_a_break_without_the_loop_turning(host, monkeypatch):
-    """The counts of a broken scheduler's lanes agree with the break at once: a job queued
-    for a lane thread held elsewhere is counted failed (completed) by the first
-    ``statistics()`` after the break, not once the loop turns."""
-    from streamlane.runtime.method import Method
-
-    slow, second, faulty = (double_program(n).method("forward", device=host)
-                            for n in ("slow", "second", "faulty"))
-    gate, inside = threading.Event(), threading.Event()
-    call = Method.__call__
-
-    def held_call(self, values, **kw):
-        if self is slow and not gate.is_set():
-            inside.set()
-            gate.wait(10)
-        return call(self, values, **kw)
-
-    monkeypatch.setattr(Method, "__call__", held_call)
-    held = host.create_stream()
-    with anyio.fail_after(30):
-        async with Scheduler(host, lanes=2) as sched:
-            try:
-                j0 = await sched.submit(slow, [data(0)], lane=0)
-                await wait_until(inside.is_set)  # lane 0's thread is inside j0's execute
-                j2 = await sched.submit(second, [data(1)], lane=0)  # queued behind it
-                j1 = await _fault_on_lane_1(sched, host, faulty, held)
-                deadline = time.monotonic() + 10
-                while sched.broken is None and time.monotonic() < deadline:
-                    time.sleep(0.001)  # no yield: the loop runs nothing posted to it
-                lane0, lane1 = sched.statistics()
-                assert (lane0.queued, lane0.in_flight, lane0.completed) == (0, 0, 2), lane0
-                assert (lane1.queued, lane1.in_flight, lane1.completed) == (0, 0, 1), lane1
-            finally:
-                gate.set()
-            for job in (j0, j1, j2):
-                with pytest.raises(SchedulerBroken):
-                    await job
+def _until_broken_without_yielding(sched):
+    """Wait for the device's fault to break ``sched`` without letting the loop turn (so it
+    runs nothing posted to it)."""
+    deadline = time.monotonic() + 10
+    while sched.broken is None and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert sched.broken is not None
