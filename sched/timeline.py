@@ -10,6 +10,7 @@ is measured, not inferred: ``overlap() = sum of job durations / length of their 
 
 from __future__ import annotations
 
+import errno
 import heapq
 import json
 import math
@@ -28,6 +29,7 @@ __all__ = ["Span", "Timeline"]
 
 # Past this many tracks, plot() packs the caller streams' spans into rows (Timeline._rows).
 PLOT_ROWS = 48
+STREAM_ROWS = 8  # rows the caller streams keep past PLOT_ROWS, however many lanes there are
 
 
 @dataclass(frozen=True)
@@ -187,20 +189,21 @@ class Timeline:
                 colour, hatch = style[name]
                 ax.broken_barh(xranges, (row - 0.4, 0.8), facecolors=colour, hatch=hatch,
                                edgecolor="black", linewidth=0.3)
-        ax.set_yticks(range(len(tracks)), tracks)
+        ax.set_yticks(range(len(tracks)), [_shown(t) for t in tracks])
         ax.set_ylim(-0.6, max(0.6, len(tracks) - 0.4))
         ax.invert_yaxis()
         ax.set_xlabel("ms since the first job started")
         # Plain text, as given: matplotlib reads "$...$" as mathtext ("$5 and $6" in italics,
         # r"$\foo$" an error). title="" draws none.
-        ax.set_title(title if title is not None else
-                     f"streamlane {self.device}: {len(self.spans)} jobs, "
-                     f"overlap {self.overlap():.2f}x", parse_math=False)
+        ax.set_title(_shown(title if title is not None else
+                            f"streamlane {self.device}: {len(self.spans)} jobs, "
+                            f"overlap {self.overlap():.2f}x"), parse_math=False)
         if names:
             from matplotlib.patches import Patch
 
             legend = ax.legend(handles=[Patch(facecolor=style[n][0], hatch=style[n][1],
-                                              edgecolor="black", linewidth=0.3, label=n)
+                                              edgecolor="black", linewidth=0.3,
+                                              label=_shown(n))
                                         for n in names],
                                loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
             for text in legend.get_texts():
@@ -243,11 +246,13 @@ class Timeline:
         streams = len(tracks) - len(own)
         if not packed:  # lanes alone: a row each, however many
             return own, rows
-        if len(own) + len(packed) <= PLOT_ROWS:
+        # The rows left beside the lanes', and at least STREAM_ROWS: with 48 lanes or more,
+        # a few caller streams side by side were folded onto one row, drawn over each other.
+        fold = max(PLOT_ROWS - len(own), STREAM_ROWS)
+        if len(packed) <= fold:
             return own + [f"{streams} caller streams, row {i + 1}"
                           for i in range(len(packed))], rows + packed
         # Still too many (more jobs side by side than rows): fold them, drawn over each other.
-        fold = max(1, PLOT_ROWS - len(own))
         folded: list[list[Span]] = [[] for _ in range(fold)]
         for i, row in enumerate(packed):
             folded[i % fold].extend(row)
@@ -257,6 +262,12 @@ class Timeline:
     def __repr__(self) -> str:
         return (f"<Timeline {len(self.spans)} jobs, {len(self.tracks())} tracks, overlap "
                 f"{self.overlap():.2f}x>")
+
+
+def _shown(text: str) -> str:
+    """``text`` as matplotlib can draw it: a lone surrogate (a name no program of ours has,
+    but a Timeline made by hand may) as its escape, where matplotlib raised TypeError."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _path(path: object, what: str) -> Path:
@@ -286,7 +297,13 @@ def _write_file(path: Path, write: Any) -> None:
     Anything else is written in place, as ``open()`` would: a device or a pipe (replacing
     ``/dev/null`` would be a disaster), a file with other names (hard links), one we may not
     write (``open()``'s error), or one in a folder we may not add to."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:  # a folder of the path is a file (or a dangling link):
+        # open()'s error for it, not "File exists", which reads as "the trace exists"
+        dangling = os.path.islink(path.parent) and not os.path.exists(path.parent)
+        code = errno.ENOENT if dangling else errno.ENOTDIR
+        raise OSError(code, os.strerror(code), str(path)) from None
     try:
         path = Path(os.path.realpath(path, strict=True))
     except FileNotFoundError:  # a new file, or a link to one: made where it points

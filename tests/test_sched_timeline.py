@@ -516,6 +516,50 @@ def test_a_plot_of_thousands_of_caller_streams_packs_them_into_rows(tmp_path):
     assert matplotlib.image.imread(crowd.plot(tmp_path / "crowd.png")).shape[0] < 4000
 
 
+def test_caller_streams_beside_48_lanes_or_more_keep_rows_of_their_own():
+    """With PLOT_ROWS lanes or more, no row was left for the caller streams: five side by side
+    were folded onto one row, drawn over each other (a review). They keep up to STREAM_ROWS
+    rows, and fold only when more than that run side by side."""
+    from streamlane.sched.timeline import STREAM_ROWS
+
+    lanes = [Span(i, "own", i, f"lane {i}", 0.0, 1.0) for i in range(50)]
+    five = [Span(50 + i, "req", 0, f"lane 0 stream {i + 1:#x}", 0.0, 1.0) for i in range(5)]
+    tracks, rows = Timeline(lanes + five)._rows()
+    assert len(rows) == 55 and [len(r) for r in rows[50:]] == [1] * 5
+    assert tracks[-1] == "5 caller streams, row 5"
+    crowd = [Span(60 + i, "req", 0, f"lane 0 stream {i + 1:#x}", 0.0, 1.0) for i in range(20)]
+    tracks, rows = Timeline(lanes + crowd)._rows()
+    assert len(rows) == 50 + STREAM_ROWS and sum(map(len, rows[50:])) == 20
+    assert tracks[-1].endswith(f"row {STREAM_ROWS} of {STREAM_ROWS} (folded: jobs overlap)")
+
+
+def test_a_name_matplotlib_cannot_draw_is_plotted_escaped(tmp_path):
+    """A lone surrogate in a hand-made span's name (no program's name has one) made plot()
+    raise matplotlib's TypeError; the trace kept it. Both write it now."""
+    t = Timeline([Span(0, "bad\ud800name", 0, "lane 0", 0.0, 1e-3)])
+    assert t.plot(tmp_path / "t.png", title="t\udc80").read_bytes()[:4] == b"\x89PNG"
+    assert json.loads(t.to_chrome_trace(tmp_path / "t.json").read_text())
+
+
+def test_an_export_under_a_file_raises_what_open_raises(tmp_path):
+    """A folder of the path that is a file raised FileExistsError ("File exists"), which
+    reads as "the trace exists"; ``open()`` says it is not a directory, and so do both
+    exports now (a dangling link as the folder: no such file). Nothing is written."""
+    (tmp_path / "notes").write_text("x")
+    (tmp_path / "gone").symlink_to(tmp_path / "nowhere")
+    timeline = Timeline([Span(0, "a", 0, "lane 0", 0.0, 1.0)])
+    for export, name in ((timeline.to_chrome_trace, "t.json"), (timeline.plot, "t.png")):
+        for folder, expected in (("notes", NotADirectoryError), ("notes/sub", NotADirectoryError),
+                                 ("gone", FileNotFoundError)):
+            with pytest.raises(OSError) as opened:
+                open(tmp_path / folder / name, "wb")  # noqa: SIM115 (raises)
+            assert type(opened.value) is expected
+            with pytest.raises(expected):
+                export(tmp_path / folder / name)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gone", "notes"]
+    assert (tmp_path / "notes").read_text() == "x"
+
+
 def test_plot_writes_a_png_at_the_path_it_returns(tmp_path):
     """The path returned is the file written: a missing suffix gets .png, another suffix and
     a directory are refused (a directory for the trace too)."""
