@@ -279,8 +279,6 @@ class Lane:
         in a lane thread's message, another thread or loop) it does nothing."""
         if not self._core.waker.on_loop():
             return
-        if not job._finished:
-            self._core.apply_break()  # the device failed: every pending job has too
         if job._parked:  # looked at before its await: start it (a caller may poll done())
             self._core.start_parked()
         self.release(job)

@@ -947,14 +947,6 @@ class Scheduler:
             self._broken = broken
         self.waker.post(self._fail_pending)
 
-    def apply_break(self) -> None:
-        """Loop thread, for an observer (``pending``, ``statistics()``, a job's ``done()``,
-        ``state``, ``exception()``): once the scheduler is broken, fail its pending jobs now,
-        as the call ``break_`` posted will when the loop turns (it then finds them settled), so
-        that code polling without yielding sees the break."""
-        if self._broken is not None and self._pending:
-            self._fail_pending()
-
     def _fail_pending(self) -> None:
         for job in list(self._pending):
             error = self.broken_error()
@@ -1027,7 +1019,9 @@ class Scheduler:
     def pending(self) -> int:
         """Jobs submitted and not yet finished. On the loop thread it settles those the device
         has finished first (one event query per pending job), as ``job.done()`` does, so it
-        agrees with ``statistics()`` and reaches 0 for code that polls it without yielding."""
+        agrees with ``statistics()`` and reaches 0 for code that polls it without yielding.
+        Not so once the device has failed: the failure of the pending jobs is settled on the
+        loop's next turn, after the reports the lanes made before it (``break_``)."""
         if self.may_update():
             self._settle_finished()
             self.observed()
@@ -1085,7 +1079,6 @@ class Scheduler:
         date."""
         if not self.may_update():
             return False
-        self.apply_break()
         if settle_all:
             self._settle_finished()
         else:
