@@ -41,6 +41,7 @@ import atexit
 import contextlib
 import inspect
 import itertools
+import numbers
 import operator
 import os
 import sys
@@ -241,18 +242,21 @@ class Scheduler:
                                   f"host threads), got {lanes}; for wide overlap give jobs "
                                   f"caller streams (submit(stream=...)) on fewer lanes")
         for name, value in (("spin_us", spin_us), ("poll_us", poll_us)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            # Any real number (numpy's too: np.int64(2) was refused as "not a number in
+            # [0, 1e6]"), not a bool
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (
                     0 <= value <= 1e6):
                 raise InvalidArgument(f"Scheduler: {name} must be a number of microseconds in "
-                                      f"[0, 1e6], got {value!r}")
+                                      f"[0, 1e6] (an int or a float, numpy's too), got "
+                                      f"{value!r}")
         for name, flag in (("timing", timing), ("inline", inline)):
             if not isinstance(flag, bool):
                 raise InvalidArgument(f"Scheduler: {name} must be a bool, got {flag!r}")
         self.queue_size = queue_size
         self.timing = timing
         self.inline = inline
-        self.spin_s = spin_us / 1e6
-        self.poll_s = poll_us / 1e6
+        self.spin_s = float(spin_us) / 1e6
+        self.poll_s = float(poll_us) / 1e6
         self.reference: Event | None = None
         self.lanes: tuple[Lane, ...] = tuple(Lane(self, i, self.device, queue_size)
                                              for i in range(lanes))
@@ -280,7 +284,9 @@ class Scheduler:
         # timeline() gives the timeline_size latest submitted of those. (A job that settles
         # long after later ones, on another lane, may still fall out first.)
         self._timeline_size = timeline_size
-        self._spans: deque[Span] = deque(maxlen=timeline_size + lanes * (4 * UNREAD_MAX + 64))
+        # (a timeline_size past what a deque can bound, 2**63 - 1 on 64-bit: keep them all)
+        self._spans: deque[Span] = deque(maxlen=min(
+            timeline_size + lanes * (4 * UNREAD_MAX + 64), sys.maxsize))
         # Lane._read's last step: a C append, where an interrupt cannot cut it in two.
         self.record_span: Callable[[Span], None] = self._spans.append
         # With timing events on a device whose streams share hardware queues, the streams with
@@ -490,10 +496,10 @@ class Scheduler:
         if self._state is _OPEN and self.waker.on_loop():
             await self.waker.checkpoint_if_cancelled()
             if self._state is not _OPEN or self._broken is not None:
-                self._check_open()
+                self._check_open(awaited)
         else:  # raises: not open, or not this scheduler's loop
             await checkpoint_if_cancelled()
-            self._check_open()
+            self._check_open(awaited)
         if not isinstance(method, Method):
             raise InvalidArgument(f"submit() takes a Method (program.method(name, device=...)), "
                                   f"got {type(method).__name__}")
@@ -549,7 +555,7 @@ class Scheduler:
                     except anyio.get_cancelled_exc_class():
                         held = False  # a cancelled wait gives its room back itself (anyio)
                         raise
-                    self._check_open()  # it may have closed or broken while we waited for room
+                    self._check_open(awaited)  # it may have closed or broken while we waited
                     # Other submits may have bound or moved the method meanwhile: its lane and
                     # its last job are read again (a stale "new method" would let two lanes
                     # drive it at once), and a submit that asked for no lane follows the method
@@ -803,15 +809,16 @@ class Scheduler:
                 f"pass a created stream (device.create_stream(), torch.cuda.Stream(), "
                 f"cupy.cuda.Stream())")
 
-    def _check_open(self) -> None:
+    def _check_open(self, awaited: bool = False) -> None:
+        what = "run()" if awaited else "submit()"  # as the caller called it
         if self._broken is not None:
             raise self.broken_error() from self._broken.__cause__
         if self._state == _NEW:
-            raise InvalidState("submit() before the scheduler started: use "
-                               "`async with Scheduler(...) as sched:`")
+            raise InvalidState(f"{what} before the scheduler started: use "
+                               f"`async with Scheduler(...) as sched:`")
         if self._state != _OPEN:
             raise SchedulerClosed(f"{self!r} is closed; no new work is accepted")
-        self.check_loop_thread("submit()")
+        self.check_loop_thread(what)
 
     def check_loop_thread(self, what: str) -> None:
         """Raise ``InvalidState`` unless called in the event loop that entered the scheduler

@@ -1297,3 +1297,24 @@ async def test_the_lane_thread_stops_looking_once_one_stream_is_left_in_flight(h
                 assert len(looks) - before <= 1, f"{len(looks) - before} looks in 0.3 s"
                 latch.release()
             await held
+
+
+@pytest.mark.parametrize("size", [2**62, 2**63 - 1, 2**63, 10**30])
+async def test_a_timeline_size_past_what_a_deque_bounds_keeps_every_span(host, size):
+    """A huge ``timeline_size`` raised ``OverflowError`` from the spans' deque (a review):
+    it means keep them all."""
+    method = double_program().method("forward", device=host)
+    with anyio.fail_after(30):
+        async with Scheduler(host, lanes=1, timeline_size=size) as sched:
+            for i in range(3):
+                await sched.run(method, [data(i)])
+            assert len(sched.timeline()) == 3
+
+
+async def test_run_names_itself_when_called_before_the_scheduler_started(host):
+    method = double_program().method("forward", device=host)
+    sched = Scheduler(host, lanes=1)
+    with pytest.raises(InvalidState, match=r"^run\(\) before the scheduler started"):
+        await sched.run(method, [data(0)])
+    with pytest.raises(InvalidState, match=r"^submit\(\) before the scheduler started"):
+        await sched.submit(method, [data(0)])

@@ -7,6 +7,7 @@ uvloop and trio."""
 from __future__ import annotations
 
 import contextlib
+import fractions
 import gc
 import itertools
 import statistics
@@ -864,6 +865,18 @@ async def test_poll_spin_and_inline_settings_are_validated(device):
             Scheduler(device, spin_us=bad)
     with pytest.raises(InvalidArgument, match="inline must be a bool"):
         Scheduler(device, inline=1)
+    for bad in (float("nan"), np.float64(-1.0), np.bool_(True), complex(1, 0)):
+        with pytest.raises(InvalidArgument, match="poll_us must be a number of microseconds"):
+            Scheduler(device, poll_us=bad)
+
+
+@pytest.mark.parametrize("value", [np.int64(20), np.int32(20), np.float32(20.0),
+                                   np.float64(20.0), fractions.Fraction(20)])
+def test_poll_and_spin_take_any_real_number_numpys_too(host, value):
+    """np.int64(2) was refused as "must be a number of microseconds in [0, 1e6]" (a review):
+    any real number in range is taken, as a float."""
+    sched = Scheduler(host, poll_us=value, spin_us=value)
+    assert sched.poll_s == sched.spin_s == 20e-6 and type(sched.poll_s) is float
 
 
 async def test_a_lone_job_the_loop_polled_is_not_kept_once_finished(device):
