@@ -598,6 +598,23 @@ def _manifest_file(path: Path) -> Path:
                              str(exc)) from None
 
 
+def make_folders(folder: Path, named: str | os.PathLike[str]) -> None:
+    """``folder`` and the folders above it, made where missing; where one cannot be made
+    because a name on the way is not a folder (a file, a dangling link, a link loop), the
+    error ``open()`` of a file in it would raise (``NotADirectoryError``,
+    ``FileNotFoundError``, ``OSError`` ELOOP), naming ``named``, not ``mkdir``'s "File
+    exists", which reads as "the file exists". (The timeline's exports, the demo's ``--out``
+    and ``python -m streamlane.runtime.examples``.)"""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        try:  # the trailing separator makes the lookup walk into it as a folder
+            os.stat(os.path.join(folder, ""))
+        except OSError as why:
+            raise OSError(why.errno, why.strerror, os.fspath(named)) from None
+        raise  # a folder after all (made meanwhile): mkdir's own error
+
+
 def new_hidden_file(folder: Path, written: list[Path], like: Path) -> Any:
     """A new file of a unique hidden name in ``folder``, open for binary writing, its path
     appended to ``written`` first (the caller removes what it does not rename). Its mode is

@@ -94,9 +94,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         # An option the demo does not know is the demo's error, with its usage: argparse
         # would report it with the top-level usage, which lists no option.
-        args, unknown = _parser().parse_known_args(argv)
+        parser = _parser()
+        args, unknown = parser.parse_known_args(argv)
         if unknown:
-            args.subparser.error(f"unrecognized arguments: {' '.join(unknown)}")
+            given = list(sys.argv[1:] if argv is None else argv)
+            # before the command's name: given to `streamlane` itself
+            ours = args.command in given and unknown[0] in given and \
+                given.index(unknown[0]) < given.index(args.command)
+            (parser if ours else args.subparser).error(
+                f"unrecognized arguments: {' '.join(unknown)}")
         if not 1 <= args.requests <= MAX_REQUESTS:
             return _fail(f"--requests must be in 1..{MAX_REQUESTS} (the demo prepares every "
                          f"request's input before it starts), got {args.requests}", 2)
@@ -154,12 +160,14 @@ def _folder(text: str) -> Path:
 def _unusable_out(out: Path) -> str | None:
     """Why the demo cannot write its files under ``out``, or None. Checked before any work:
     an unusable --out is a usage error, not a traceback at the end."""
+    from streamlane.runtime.program import make_folders
+
     from .demo import CONFIGS, output_files
 
     try:
         if out.exists() and not out.is_dir():
             return f"--out {out} is a file; name a folder (it is created if missing)"
-        out.mkdir(parents=True, exist_ok=True)
+        make_folders(out, out)
         with tempfile.TemporaryFile(dir=out):  # an existing folder may not be writable
             pass
     except OSError as exc:

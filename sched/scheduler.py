@@ -243,9 +243,9 @@ class Scheduler:
                                   f"caller streams (submit(stream=...)) on fewer lanes")
         for name, value in (("spin_us", spin_us), ("poll_us", poll_us)):
             # Any real number (numpy's too: np.int64(2) was refused as "not a number in
-            # [0, 1e6]"), not a bool
+            # [0, 1e6]"), not a bool; compared as a float (in float16, 1e6 is infinity)
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (
-                    0 <= value <= 1e6):
+                    0 <= float(value) <= 1e6):
                 raise InvalidArgument(f"Scheduler: {name} must be a number of microseconds in "
                                       f"[0, 1e6] (an int or a float, numpy's too), got "
                                       f"{value!r}")

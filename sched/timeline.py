@@ -10,7 +10,6 @@ is measured, not inferred: ``overlap() = sum of job durations / length of their 
 
 from __future__ import annotations
 
-import errno
 import heapq
 import json
 import math
@@ -22,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from streamlane.runtime.errors import InvalidArgument
-from streamlane.runtime.program import new_hidden_file
+from streamlane.runtime.program import make_folders, new_hidden_file
 
 __all__ = ["Span", "Timeline"]
 
@@ -264,10 +263,11 @@ class Timeline:
                 f"{self.overlap():.2f}x>")
 
 
-def _shown(text: str) -> str:
-    """``text`` as matplotlib can draw it: a lone surrogate (a name no program of ours has,
-    but a Timeline made by hand may) as its escape, where matplotlib raised TypeError."""
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+def _shown(text: object) -> str:
+    """``text`` (as ``str()`` gives it: a title may be any object, as matplotlib takes it)
+    as matplotlib can draw it: a lone surrogate (a name no program of ours has, but a
+    Timeline made by hand may) as its escape, where matplotlib raised TypeError."""
+    return str(text).encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _path(path: object, what: str) -> Path:
@@ -297,13 +297,7 @@ def _write_file(path: Path, write: Any) -> None:
     Anything else is written in place, as ``open()`` would: a device or a pipe (replacing
     ``/dev/null`` would be a disaster), a file with other names (hard links), one we may not
     write (``open()``'s error), or one in a folder we may not add to."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:  # a folder of the path is a file (or a dangling link):
-        # open()'s error for it, not "File exists", which reads as "the trace exists"
-        dangling = os.path.islink(path.parent) and not os.path.exists(path.parent)
-        code = errno.ENOENT if dangling else errno.ENOTDIR
-        raise OSError(code, os.strerror(code), str(path)) from None
+    make_folders(path.parent, path)
     try:
         path = Path(os.path.realpath(path, strict=True))
     except FileNotFoundError:  # a new file, or a link to one: made where it points

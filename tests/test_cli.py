@@ -475,3 +475,16 @@ def test_an_unknown_demo_option_is_reported_with_the_demos_usage(tmp_path):
     assert "usage: streamlane demo" in proc.stderr and "--requests" in proc.stderr
     assert "unrecognized arguments: --bogus 1" in proc.stderr
     assert list(tmp_path.iterdir()) == []
+    # before the command's name it was given to `streamlane` itself: its usage
+    proc = subprocess.run([sys.executable, "-m", "streamlane.sched", "--verbose", "demo"],
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert proc.returncode == 2 and "usage: streamlane [-h]" in proc.stderr, proc.stderr
+    assert "streamlane: error: unrecognized arguments: --verbose" in proc.stderr
+
+
+def test_an_out_through_a_dangling_link_says_what_open_would(tmp_path):
+    (tmp_path / "gone").symlink_to(tmp_path / "nowhere")
+    proc = demo("--device", "host", "--requests", "1", "--out", str(tmp_path / "gone"),
+                cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2 and "No such file or directory" in proc.stderr, proc.stderr
+    assert "File exists" not in proc.stderr

@@ -1202,21 +1202,36 @@ def test_the_builder_refuses_an_output_declared_twice():
     assert time.perf_counter() - start < 3
 
 
-@pytest.mark.parametrize("where", ["file", "under_file", "folder_named_like_a_manifest"])
+@pytest.mark.parametrize("where", ["file", "under_file", "folder_named_like_a_manifest",
+                                   "dangling_link", "under_a_dangling_link", "link_loop",
+                                   "under_file_with_a_newline"])
 def test_examples_command_refuses_a_folder_it_cannot_write_in_one_line(tmp_path, where):
     """``python -m streamlane.runtime.examples DIR`` where DIR cannot take the files: one
-    line on stderr naming it, status 1, no traceback."""
+    line on stderr naming it (quoted: a newline in it stays on that line), status 1, no
+    traceback, and the reason ``open()`` would give, not mkdir's "File exists"."""
     (tmp_path / "f").write_text("x")
     (tmp_path / "d" / "encoder.json").mkdir(parents=True)
+    (tmp_path / "gone").symlink_to(tmp_path / "nowhere")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
     folder = {"file": tmp_path / "f", "under_file": tmp_path / "f" / "sub",
-              "folder_named_like_a_manifest": tmp_path / "d"}[where]
+              "folder_named_like_a_manifest": tmp_path / "d",
+              "dangling_link": tmp_path / "gone", "under_a_dangling_link": tmp_path / "gone/s",
+              "link_loop": tmp_path / "loop",
+              "under_file_with_a_newline": tmp_path / "f" / "new\nline"}[where]
     done = subprocess.run([sys.executable, "-m", "streamlane.runtime.examples", str(folder)],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 1, done
-    assert "Traceback" not in done.stderr
+    assert "Traceback" not in done.stderr and "File exists" not in done.stderr
     lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and str(folder) in lines[0], done.stderr
+    assert len(lines) == 1 and repr(str(folder)) in lines[0], done.stderr
     assert done.stdout == ""
+
+
+def test_examples_main_refuses_a_nul_in_the_folder_in_one_line(capsys):
+    from streamlane.runtime.examples.__main__ import main
+
+    assert main(["a\x00b"]) == 1
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
 
 
 def test_examples_command_writes_both_programs(tmp_path):

@@ -865,13 +865,14 @@ async def test_poll_spin_and_inline_settings_are_validated(device):
             Scheduler(device, spin_us=bad)
     with pytest.raises(InvalidArgument, match="inline must be a bool"):
         Scheduler(device, inline=1)
-    for bad in (float("nan"), np.float64(-1.0), np.bool_(True), complex(1, 0)):
+    for bad in (float("nan"), np.float64(-1.0), np.bool_(True), complex(1, 0),
+                np.float16("inf"), np.float16(-1)):  # (float16: 1e6 is infinity there)
         with pytest.raises(InvalidArgument, match="poll_us must be a number of microseconds"):
             Scheduler(device, poll_us=bad)
 
 
 @pytest.mark.parametrize("value", [np.int64(20), np.int32(20), np.float32(20.0),
-                                   np.float64(20.0), fractions.Fraction(20)])
+                                   np.float64(20.0), np.float16(20), fractions.Fraction(20)])
 def test_poll_and_spin_take_any_real_number_numpys_too(host, value):
     """np.int64(2) was refused as "must be a number of microseconds in [0, 1e6]" (a review):
     any real number in range is taken, as a float."""

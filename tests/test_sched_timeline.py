@@ -9,6 +9,7 @@ import json
 import os
 import threading
 import time
+from pathlib import Path
 
 import anyio
 import numpy as np
@@ -538,6 +539,8 @@ def test_a_name_matplotlib_cannot_draw_is_plotted_escaped(tmp_path):
     raise matplotlib's TypeError; the trace kept it. Both write it now."""
     t = Timeline([Span(0, "bad\ud800name", 0, "lane 0", 0.0, 1e-3)])
     assert t.plot(tmp_path / "t.png", title="t\udc80").read_bytes()[:4] == b"\x89PNG"
+    for title in (123, Path("run-7")):  # drawn as str() gives it, as matplotlib does
+        assert t.plot(tmp_path / "t.png", title=title).read_bytes()[:4] == b"\x89PNG"
     assert json.loads(t.to_chrome_trace(tmp_path / "t.json").read_text())
 
 
@@ -545,18 +548,22 @@ def test_an_export_under_a_file_raises_what_open_raises(tmp_path):
     """A folder of the path that is a file raised FileExistsError ("File exists"), which
     reads as "the trace exists"; ``open()`` says it is not a directory, and so do both
     exports now (a dangling link as the folder: no such file). Nothing is written."""
+    import errno
+
     (tmp_path / "notes").write_text("x")
     (tmp_path / "gone").symlink_to(tmp_path / "nowhere")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
     timeline = Timeline([Span(0, "a", 0, "lane 0", 0.0, 1.0)])
     for export, name in ((timeline.to_chrome_trace, "t.json"), (timeline.plot, "t.png")):
-        for folder, expected in (("notes", NotADirectoryError), ("notes/sub", NotADirectoryError),
-                                 ("gone", FileNotFoundError)):
+        for folder in ("notes", "notes/sub", "gone", "gone/sub", "loop"):
             with pytest.raises(OSError) as opened:
                 open(tmp_path / folder / name, "wb")  # noqa: SIM115 (raises)
-            assert type(opened.value) is expected
-            with pytest.raises(expected):
+            with pytest.raises(OSError) as exported:
                 export(tmp_path / folder / name)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["gone", "notes"]
+            assert (type(exported.value), exported.value.errno) == \
+                (type(opened.value), opened.value.errno), folder
+            assert opened.value.errno in (errno.ENOTDIR, errno.ENOENT, errno.ELOOP)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gone", "loop", "notes"]
     assert (tmp_path / "notes").read_text() == "x"
 
 

@@ -3,10 +3,12 @@
 the package's own folder (``runtime/examples`` in a checkout)."""
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 from ..errors import StreamlaneError
+from ..program import make_folders
 from . import write_examples
 
 
@@ -21,11 +23,12 @@ def main(argv: "list[str] | None" = None) -> int:
               f"(created if missing)", file=sys.stderr)
         return 1
     try:
-        args.folder.mkdir(parents=True, exist_ok=True)
+        make_folders(args.folder, args.folder)
         write_examples(args.folder)
-    except (OSError, StreamlaneError) as exc:  # a file in the way, no permission, a full disk
-        reason = f"{exc.strerror}: {exc.filename}" if isinstance(exc, OSError) and \
-            exc.strerror and exc.filename else str(exc)
+    except (OSError, ValueError, StreamlaneError) as exc:  # a file or a dangling link in the
+        # way, no permission, a full disk (ValueError: a NUL in a name given from Python)
+        reason = f"{exc.strerror}: {os.fsdecode(exc.filename)!r}" if isinstance(exc, OSError) \
+            and exc.strerror and exc.filename else str(exc)
         print(f"{parser.prog}: cannot write the examples into {str(args.folder)!r}: {reason}",
               file=sys.stderr)
         return 1
