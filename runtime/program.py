@@ -219,7 +219,7 @@ class Program:
         try:
             if npz is not None:
                 with new_hidden_file(path.parent, written, like=npz) as f:
-                    np.savez(f, **{k: _npz_safe(v) for k, v in self.constants.items()})
+                    _write_npz(f, {k: _npz_safe(v) for k, v in self.constants.items()})
             with new_hidden_file(path.parent, written, like=path) as f:
                 f.write((json.dumps(doc, indent=1) + "\n").encode("utf-8"))
             if npz is not None:
@@ -269,8 +269,7 @@ class Program:
         theirs.pop("constants", None)
         return (mine == theirs
                 and self.constants.keys() == other.constants.keys()
-                and all(v.dtype == other.constants[k].dtype and np.array_equal(
-                    v, other.constants[k]) for k, v in self.constants.items())
+                and all(_same_array(v, other.constants[k]) for k, v in self.constants.items())
                 and dict(self.callables) == dict(other.callables))
 
     __hash__ = None  # type: ignore[assignment]
@@ -337,6 +336,7 @@ class MethodBuilder:
         self._buffers: list[dict[str, Any]] = []
         self._steps: list[dict[str, Any]] = []
         self._outputs: list[str] = []
+        self._auto: dict[str, int] = {}  # the names the builder made: the step that made each
         # its inputs' and buffers' (dtype, shape); constants are looked up in the parent, so
         # one added after this method was started is usable too (_known)
         self._shapes = {it["name"]: (it["dtype"], tuple(it["shape"])) for it in self._inputs}
@@ -362,7 +362,11 @@ class MethodBuilder:
         where = f"{member_path('methods', self.name)}.steps[{len(self._steps)}]"
         spec = _program_kernel(kernel, where)  # as the file validator says it
         if out is not None:
+            if spec.n_out == 0:  # it was dropped, and the name reported later, elsewhere
+                raise InvalidProgram(f"{where}.out", f"no out= ({kernel} writes no buffer)",
+                                     out)
             _check_name(out, f"{where}.out[0]")
+            self._check_not_auto(out, f"{where}.out[0]")
         known = []
         for j, name in enumerate(ins):
             decl = self._known(name)
@@ -391,6 +395,8 @@ class MethodBuilder:
                                      f"it cannot infer: step({kernel!r}, out=..., shape=(...))",
                                      None)
             name = out if (out is not None and k == 0) else self._fresh_name(k)
+            if name != out:
+                self._auto[name] = len(self._steps)
             dtype = known[0][0] if ins else "float32"
             self._declare(name, dtype, inferred)
             outs.append(name)
@@ -447,6 +453,7 @@ class MethodBuilder:
                 raise InvalidProgram(f"{where}[{j}]", "(name, dtype, shape)", out)
             oname = out[0]
             item = _tensor_given(*out, f"{where}[{j}]")
+            self._check_not_auto(oname, f"{where}[{j}]")
             known = self._known(oname)
             if known is not None and known != (item["dtype"], tuple(item["shape"])):
                 raise InvalidProgram(f"{where}[{j}]", f"{oname!r} as declared before: "
@@ -473,6 +480,16 @@ class MethodBuilder:
                 raise InvalidProgram(f"{where}.name", "an output declared once", name)
             declared.add(name)
         self._outputs.extend(names)
+
+    def _check_not_auto(self, name: str, where: str) -> None:
+        """A step may not write into a buffer the builder named for an earlier step's output:
+        the name ``step()`` returned would then hold this step's result (a later
+        ``out="t0_0"`` silently replaced relu(x) with what it wrote)."""
+        made_by = self._auto.get(name)
+        if made_by is not None:
+            raise InvalidProgram(where, f"a name other than {name!r}, which the builder gave "
+                                 f"step {made_by}'s output (returned by its step()); writing "
+                                 f"into it would change that step's result", name)
 
     def _fresh_name(self, k: int) -> str:
         """A name for this step's ``k``-th output that nothing in the method or program uses
@@ -531,6 +548,24 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
             raise ValueError(f"the key {key!r} appears twice in one object; keys must be unique")
         doc[key] = value
     return doc
+
+
+def _same_array(a: np.ndarray, b: np.ndarray) -> bool:
+    """Equal dtype, shape and bytes: a NaN constant is its own (``np.array_equal`` said a
+    program holding one was not equal to itself, nor to itself saved and loaded)."""
+    return a.dtype == b.dtype and a.shape == b.shape and \
+        np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes()
+
+
+def _write_npz(f: Any, arrays: Mapping[str, np.ndarray]) -> None:
+    """The file ``np.savez(f, **arrays)`` writes (a zip of ``NAME.npy`` members, stored, no
+    pickles), without savez's own keyword arguments: a constant named ``file`` or
+    ``allow_pickle`` was taken for one of them (a ``TypeError``, or an empty file that
+    ``load`` then refused)."""
+    with zipfile.ZipFile(f, "w", zipfile.ZIP_STORED, allowZip64=True) as z:
+        for name, value in arrays.items():
+            with z.open(f"{name}.npy", "w", force_zip64=True) as member:
+                npy_format.write_array(member, np.asanyarray(value), allow_pickle=False)
 
 
 def _npz_safe(v: np.ndarray) -> np.ndarray:
@@ -1074,7 +1109,7 @@ def _check_name(value: Any, where: str) -> str:
     """A name of the manifest (program, method, tensor) at ``where``, or ``InvalidProgram``."""
     if not isinstance(value, str) or not _NAME.fullmatch(value):
         raise InvalidProgram(where, "a name of letters, digits, '_', '.', '-' (at most 128, "
-                             "not starting with a digit)", value)
+                             "starting with a letter or '_')", value)
     return value
 
 

@@ -1291,3 +1291,23 @@ def test_check_inputs_checks_what_it_can_now_and_installs_nothing():
     meth.set_inputs(checked)
     meth.execute()
     np.testing.assert_array_equal(meth.get_outputs()[0].to_host(), 2 * x)
+
+
+@pytest.mark.parametrize("kernel, params, x", [
+    ("layernorm", {"eps": 0.0}, np.ones((2, 4), np.float32)),
+    ("softmax", {}, np.array([[np.inf, 1, 2]], np.float32)),
+])
+def test_the_reference_gives_ieee_results_without_warnings(host, kernel, params, x):
+    """``run_reference`` warned (raised under ``-W error``) where the device gives NaN: a
+    constant row's layernorm without eps, a softmax of a row holding inf (a review)."""
+    import warnings
+
+    b = Program.build("p")
+    m = b.method("f", x=("float32", list(x.shape)))
+    m.output(m.step(kernel, "x", **params))
+    p = b.finish()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ref = run_reference(p, "f", [x])[0]
+    dev = p.method("f", device=host)([x])[0].to_host()
+    np.testing.assert_array_equal(np.isnan(ref), np.isnan(dev))

@@ -1154,6 +1154,69 @@ def test_a_step_named_for_the_builder_never_writes_into_a_users_tensor():
     np.testing.assert_array_equal(y, np.maximum(x, 0) + 3 * x + x + 1)
 
 
+@pytest.mark.parametrize("how", ["step", "call"])
+def test_a_later_step_cannot_write_into_a_name_the_builder_gave(how):
+    """The other way round: ``step()`` named relu(x)'s output ``t0_0`` and returned it; a
+    later ``out="t0_0"`` (or a callable's output of that name) wrote into it, and the
+    method's output, asked for as relu(x), came back as 10x, silently (a review)."""
+    b = Program.build("p")
+    m = b.method("f", x=("float32", [4]))
+    r = m.step("relu", "x")
+    with pytest.raises(InvalidProgram, match=r"steps\[1\]\.out\[0\].*the builder gave step 0"):
+        if how == "step":
+            m.step("scale", "x", out=r, factor=10.0)
+        else:
+            m.call(lambda stream, ins, outs: None, [], [(r, "float32", [4])])
+    m.step("scale", "x", out="mine", factor=10.0)
+    m.step("scale", "x", out="mine", factor=20.0)  # a name of the user's own: rewritten
+    m.output(r, "mine")
+    assert [s["out"] for s in b.finish().to_manifest()["methods"]["f"]["steps"]] == \
+        [[r], ["mine"], ["mine"]]
+
+
+def test_a_step_that_writes_nothing_refuses_out():
+    b = Program.build("p")
+    m = b.method("f", x=("float32", [4]))
+    with pytest.raises(InvalidProgram, match=r"steps\[0\]\.out: expected no out="):
+        m.step("spin", out="z", us=1)
+
+
+@pytest.mark.parametrize("name", ["file", "allow_pickle", "arr_0"])
+def test_constants_named_like_savez_arguments_are_saved(tmp_path, name):
+    """``np.savez(f, **constants)`` took a constant named ``file`` as its own argument (a
+    TypeError) and one named ``allow_pickle`` as its option (an empty .npz that load then
+    refused): the constants file is written member by member."""
+    b = Program.build("p", constants={name: np.full(4, 7, np.float32)})
+    m = b.method("f", x=("float32", [4]))
+    m.output(m.step("add", "x", name))
+    p = b.finish()
+    p.save(tmp_path / "p.json")
+    q = Program.load(tmp_path / "p.json")
+    assert q == p and list(np.load(tmp_path / "p.npz").keys()) == [name]
+    q.save(tmp_path / "again.json")
+    assert Program.load(tmp_path / "again.json") == p
+
+
+def test_a_program_with_a_nan_constant_equals_itself_saved_and_loaded(tmp_path):
+    b = Program.build("p", constants={"c": np.array([np.nan, 1.0], np.float32)})
+    m = b.method("f", x=("float32", [2]))
+    m.output(m.step("add", "x", "c"))
+    p = b.finish()
+    p.save(tmp_path / "p.json")
+    assert p == p and Program.load(tmp_path / "p.json") == p
+    b2 = Program.build("p", constants={"c": np.array([np.nan, 2.0], np.float32)})
+    m2 = b2.method("f", x=("float32", [2]))
+    m2.output(m2.step("add", "x", "c"))
+    assert b2.finish() != p
+
+
+def test_a_name_must_start_with_a_letter_or_underscore_and_says_so():
+    b = Program.build("p")
+    m = b.method("f", x=("float32", [4]))
+    with pytest.raises(InvalidProgram, match="starting with a letter or '_'"):
+        m.step("relu", "x", out="-y")
+
+
 def test_the_builder_takes_numpy_scalars_as_the_numbers_they_hold(tmp_path):
     """``factor=np.float32(2)`` and an input shape ``(np.int64(4),)`` were refused while
     ``shape=np.array([4])`` was taken; numpy scalars now count as the numbers they hold (a
