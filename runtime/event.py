@@ -51,6 +51,18 @@ class Event:
             raise InvalidArgument("both events must be recorded before elapsed_ms()")
         return self.device._elapsed_ms(self, end)
 
+    def __copy__(self) -> Event:
+        return self  # one marker: a copy re-recorded would move this one too
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Refused with a message saying what to do (pickle failed inside, on a lock)."""
+        raise TypeError(f"{self!r} is a marker in this process's device queues and does not "
+                        f"pickle or deep-copy: share the Event object itself (copy.copy gives "
+                        f"it back), or record a new one (stream.record())")
+
+    def __deepcopy__(self, memo: Any) -> Event:
+        return self.__reduce_ex__(4)
+
     def __repr__(self) -> str:
         return (f"<Event {self.device.name}{' timing' if self.timing else ''}"
                 f"{'' if self.recorded else ' unrecorded'}>")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import numbers
 import queue
 import threading
 import time
@@ -36,6 +37,7 @@ from .stream import LEGACY, LEGACY_HANDLE, PER_THREAD, PER_THREAD_HANDLE, Stream
 __all__ = ["HostDevice"]
 
 _POISON = 0xFF  # fresh memory reads as NaN in float32, so an unwritten output is visible
+MAX_INJECTED_DELAY_S = 86_400.0  # a day: anything longer is a mistake (time.sleep overflows)
 
 
 class _Worker:
@@ -147,16 +149,24 @@ class HostDevice(Device):
 
     # -- test hooks ---------------------------------------------------------------------------
     def inject_delay(self, stream: Stream, seconds: float) -> None:
-        """Stall ``stream`` for ``seconds`` at this point of its queue (test hook)."""
-        stream._usable().put(lambda: time.sleep(seconds))
+        """Stall ``stream`` for ``seconds`` at this point of its queue (test hook). A bad
+        ``seconds`` is refused here: on the stream's worker it faulted the whole device."""
+        impl = self._stream_impl(stream, "inject_delay")
+        if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real) or not (
+                0 <= float(seconds) <= MAX_INJECTED_DELAY_S):
+            raise InvalidArgument(f"inject_delay: seconds must be a number in [0, "
+                                  f"{MAX_INJECTED_DELAY_S:g}], got {seconds!r}")
+        delay = float(seconds)
+        impl.put(lambda: time.sleep(delay))
 
     def inject_failure(self, stream: Stream, message: str = "injected failure") -> None:
         """Make the device fault when ``stream`` reaches this point (test hook)."""
+        impl = self._stream_impl(stream, "inject_failure")
 
         def fail() -> None:
             raise RuntimeError(message)
 
-        stream._usable().put(fail)
+        impl.put(fail)
 
     def reset_error(self) -> None:
         """Clear a sticky fault (tests only: a real CUDA context cannot be recovered)."""

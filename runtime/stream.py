@@ -187,6 +187,18 @@ class Stream:
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Stream) and other.key == self.key
 
+    def __copy__(self) -> Stream:
+        return self  # one queue: a copy closed would leave this one saying it is open
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Refused with a message saying what to do (pickle failed inside, on a lock)."""
+        raise TypeError(f"{self!r} is a queue of this process's device and does not pickle "
+                        f"or deep-copy: share the Stream object itself (copy.copy gives it "
+                        f"back), or create a stream where it is needed")
+
+    def __deepcopy__(self, memo: Any) -> Stream:
+        return self.__reduce_ex__(4)
+
     def __hash__(self) -> int:
         return hash(self.key)
 

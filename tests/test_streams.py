@@ -709,3 +709,42 @@ def test_the_host_device_waits_where_cuda_waits(host):
         assert not thread.is_alive() and time.perf_counter() - start >= 0.25, \
             "the thread ended before its stream drained"
         assert done[0].query()
+
+
+def test_a_stream_or_event_copies_as_itself_and_refuses_pickle(host):
+    """``copy.copy(stream)`` made a second object over one queue: closing the copy left the
+    original saying it was open (on CUDA its next use would reach the driver with a destroyed
+    handle); an event's copy shared its marker. A copy is the object itself now, and pickle
+    or deepcopy say what to do (they failed on a lock inside). (A review.)"""
+    import copy
+    import pickle
+
+    s, e = host.create_stream(), host.create_event()
+    assert copy.copy(s) is s and copy.copy(e) is e
+    for thing in (s, e):
+        with pytest.raises(TypeError, match="does not pickle or deep-copy"):
+            pickle.dumps(thing)
+        with pytest.raises(TypeError, match="does not pickle or deep-copy"):
+            copy.deepcopy(thing)
+    copy.copy(s).close()
+    assert s.closed
+
+
+@pytest.mark.parametrize("seconds", [-1, None, "0.1", float("nan"), float("inf"), True, 1e9])
+def test_inject_delay_refuses_a_bad_delay_before_it_faults_the_device(host, seconds):
+    """A bad delay was queued as is and raised on the stream's worker, a fault that made the
+    whole host device unusable (a review)."""
+    s = host.create_stream()
+    with pytest.raises(InvalidArgument, match="inject_delay: seconds must be a number"):
+        host.inject_delay(s, seconds)
+    s.synchronize()
+    assert not host.lost
+
+
+def test_the_injection_hooks_refuse_what_is_not_a_stream(host):
+    import numpy as np
+
+    for call in (lambda: host.inject_delay(3, 0.1), lambda: host.inject_failure(None)):
+        with pytest.raises(InvalidArgument, match="stream must be a Stream"):
+            call()
+    host.inject_delay(host.create_stream(), np.float32(0.001))  # numpy's numbers are numbers
