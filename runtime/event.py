@@ -12,7 +12,28 @@ if TYPE_CHECKING:
 __all__ = ["Event"]
 
 
-class Event:
+class ProcessLocal:
+    """Something of this process's device (a queue, a marker): ``copy.copy`` gives the object
+    itself (a second object over it would not know what the first did to it, a close), and
+    pickle or ``deepcopy`` raise a ``TypeError`` saying what to do (``_INSTEAD``), where they
+    failed on a lock inside."""
+
+    __slots__ = ()
+    _WHAT = "an object of this process's device"
+    _INSTEAD = ""
+
+    def __copy__(self) -> Any:
+        return self
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(f"{self!r} is {self._WHAT} and does not pickle or deep-copy: "
+                        f"{self._INSTEAD}")
+
+    def __deepcopy__(self, memo: Any) -> Any:
+        return self.__reduce_ex__(4)
+
+
+class Event(ProcessLocal):
     """A marker in a stream. Obtain one from ``Device.create_event()`` or ``Stream.record()``.
 
     Semantics follow CUDA: an event never recorded counts as complete; re-recording moves the
@@ -20,6 +41,9 @@ class Event:
     """
 
     __slots__ = ("__weakref__", "_impl", "device", "recorded", "timing")
+    _WHAT = "a marker in this process's device queues"
+    _INSTEAD = ("share the Event object itself (copy.copy gives it back), or record a new one "
+                "(stream.record())")
 
     def __init__(self, device: Device, impl: Any, timing: bool):
         self.device = device
@@ -50,18 +74,6 @@ class Event:
         if not (self.recorded and end.recorded):
             raise InvalidArgument("both events must be recorded before elapsed_ms()")
         return self.device._elapsed_ms(self, end)
-
-    def __copy__(self) -> Event:
-        return self  # one marker: a copy re-recorded would move this one too
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        """Refused with a message saying what to do (pickle failed inside, on a lock)."""
-        raise TypeError(f"{self!r} is a marker in this process's device queues and does not "
-                        f"pickle or deep-copy: share the Event object itself (copy.copy gives "
-                        f"it back), or record a new one (stream.record())")
-
-    def __deepcopy__(self, memo: Any) -> Event:
-        return self.__reduce_ex__(4)
 
     def __repr__(self) -> str:
         return (f"<Event {self.device.name}{' timing' if self.timing else ''}"

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from .errors import InvalidArgument, InvalidState, StreamClosed
-from .event import Event
+from .event import Event, ProcessLocal
 
 if TYPE_CHECKING:
     from .device import Device
@@ -43,12 +43,15 @@ PER_THREAD_HANDLE = 0x2  # CU_STREAM_PER_THREAD
 LEGACY_HANDLE = 0x1  # CU_STREAM_LEGACY
 
 
-class Stream:
+class Stream(ProcessLocal):
     """A device stream. Obtain one from a ``Device`` (``create_stream()``, ``per_thread_stream()``,
     ``legacy_stream()``, ``wrap_stream(obj)``), never by calling this class."""
 
     __slots__ = ("__weakref__", "_close_pending", "_closed", "_finalizer", "_impl",
                  "_keepalive", "_pins", "device", "handle", "key", "kind", "owner_thread")
+    _WHAT = "a queue of this process's device"
+    _INSTEAD = ("share the Stream object itself (copy.copy gives it back), or create a stream "
+                "where it is needed")
 
     def __init__(self, device: Device, kind: str, handle: int, impl: Any,
                  owner_thread: int | None = None, keepalive: Any = None):
@@ -187,17 +190,6 @@ class Stream:
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Stream) and other.key == self.key
 
-    def __copy__(self) -> Stream:
-        return self  # one queue: a copy closed would leave this one saying it is open
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        """Refused with a message saying what to do (pickle failed inside, on a lock)."""
-        raise TypeError(f"{self!r} is a queue of this process's device and does not pickle "
-                        f"or deep-copy: share the Stream object itself (copy.copy gives it "
-                        f"back), or create a stream where it is needed")
-
-    def __deepcopy__(self, memo: Any) -> Stream:
-        return self.__reduce_ex__(4)
 
     def __hash__(self) -> int:
         return hash(self.key)
