@@ -553,8 +553,7 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 def _same_array(a: np.ndarray, b: np.ndarray) -> bool:
     """Equal dtype, shape and bytes: a NaN constant is its own (``np.array_equal`` said a
     program holding one was not equal to itself, nor to itself saved and loaded)."""
-    return a.dtype == b.dtype and a.shape == b.shape and \
-        np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes()
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()  # C order
 
 
 def _write_npz(f: Any, arrays: Mapping[str, np.ndarray]) -> None:

@@ -190,7 +190,6 @@ class Stream(ProcessLocal):
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Stream) and other.key == self.key
 
-
     def __hash__(self) -> int:
         return hash(self.key)
 
