@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import numbers
+from typing import Any
+
 import ml_dtypes
 import numpy as np
 
 from .errors import InvalidArgument
 
-__all__ = ["DTYPES", "as_host_array", "dtype_from_name", "dtype_name"]
+__all__ = ["DTYPES", "as_host_array", "dtype_from_name", "dtype_name", "real_in"]
 
 DTYPES: dict[str, np.dtype] = {
     "float32": np.dtype(np.float32),
@@ -50,3 +53,13 @@ def as_host_array(value: object, what: str, order: str | None = None) -> np.ndar
     except Exception as exc:
         raise InvalidArgument(f"{what}: {type(value).__name__} is not array-like: "
                               f"{exc}") from exc
+
+
+def real_in(value: Any, low: float, high: float) -> float | None:
+    """``value`` as a float if it is a real number in [low, high] (numpy's included; not a
+    bool, NaN or a complex), else None. The range is checked on the float: in float16, 1e6
+    is infinity, so ``np.float16('inf') <= 1e6`` held."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    number = float(value)
+    return number if low <= number <= high else None

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import ctypes
 import itertools
-import numbers
 import queue
 import threading
 import time
@@ -29,6 +28,7 @@ import numpy as np
 from streamlane.kernels import KernelSpec
 
 from .device import Device, PreparedLaunch, check_step_result
+from .dtypes import real_in
 from .errors import DeviceError, InvalidArgument, InvalidState, StreamClosed
 from .event import Event
 from .memory import DeviceArray
@@ -152,11 +152,10 @@ class HostDevice(Device):
         """Stall ``stream`` for ``seconds`` at this point of its queue (test hook). A bad
         ``seconds`` is refused here: on the stream's worker it faulted the whole device."""
         impl = self._stream_impl(stream, "inject_delay")
-        if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real) or not (
-                0 <= float(seconds) <= MAX_INJECTED_DELAY_S):
+        delay = real_in(seconds, 0.0, MAX_INJECTED_DELAY_S)
+        if delay is None:
             raise InvalidArgument(f"inject_delay: seconds must be a number in [0, "
                                   f"{MAX_INJECTED_DELAY_S:g}], got {seconds!r}")
-        delay = float(seconds)
         impl.put(lambda: time.sleep(delay))
 
     def inject_failure(self, stream: Stream, message: str = "injected failure") -> None:

@@ -41,7 +41,6 @@ import atexit
 import contextlib
 import inspect
 import itertools
-import numbers
 import operator
 import os
 import sys
@@ -58,6 +57,7 @@ import anyio
 from anyio.lowlevel import checkpoint_if_cancelled
 
 from streamlane.runtime import Device, Event, Method, Result, Stream, get_device
+from streamlane.runtime.dtypes import real_in
 from streamlane.runtime.errors import (
     InvalidArgument,
     InvalidInput,
@@ -165,6 +165,16 @@ def _warn_unclosed() -> None:
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+def _seconds(name: str, us: Any) -> float:
+    """A ``Scheduler`` wait given in microseconds, in seconds: any real number in [0, 1e6],
+    numpy's too (``np.int64(2)`` was refused), else ``InvalidArgument``."""
+    number = real_in(us, 0.0, 1e6)
+    if number is None:
+        raise InvalidArgument(f"Scheduler: {name} must be a number of microseconds in [0, 1e6] "
+                              f"(an int or a float, numpy's too), got {us!r}")
+    return number / 1e6
+
+
 def _caller_level() -> int:
     """The ``stacklevel`` that makes a warning point at the first frame outside this package
     (the user's ``submit`` or ``run``, through any number of our own frames)."""
@@ -241,22 +251,15 @@ class Scheduler:
             raise InvalidArgument(f"Scheduler: lanes must be at most {MAX_LANES} (each is two "
                                   f"host threads), got {lanes}; for wide overlap give jobs "
                                   f"caller streams (submit(stream=...)) on fewer lanes")
-        for name, value in (("spin_us", spin_us), ("poll_us", poll_us)):
-            # Any real number (numpy's too: np.int64(2) was refused as "not a number in
-            # [0, 1e6]"), not a bool; compared as a float (in float16, 1e6 is infinity)
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (
-                    0 <= float(value) <= 1e6):
-                raise InvalidArgument(f"Scheduler: {name} must be a number of microseconds in "
-                                      f"[0, 1e6] (an int or a float, numpy's too), got "
-                                      f"{value!r}")
+        spin_s, poll_s = _seconds("spin_us", spin_us), _seconds("poll_us", poll_us)
         for name, flag in (("timing", timing), ("inline", inline)):
             if not isinstance(flag, bool):
                 raise InvalidArgument(f"Scheduler: {name} must be a bool, got {flag!r}")
         self.queue_size = queue_size
         self.timing = timing
         self.inline = inline
-        self.spin_s = float(spin_us) / 1e6
-        self.poll_s = float(poll_us) / 1e6
+        self.spin_s = spin_s
+        self.poll_s = poll_s
         self.reference: Event | None = None
         self.lanes: tuple[Lane, ...] = tuple(Lane(self, i, self.device, queue_size)
                                              for i in range(lanes))
