@@ -1026,12 +1026,16 @@ class _Validator:
             if params:
                 raise InvalidProgram(f"{where}.params", "no params for a callable step", params)
         else:
-            self._kernel_step(where, target, ins, outs, params, tensors)
+            # The params as the kernel takes them (50.0 for an int: 50), so that to_manifest()
+            # writes what runs; only those given: defaults stay implicit.
+            resolved = self._kernel_step(where, target, ins, outs, params, tensors)
+            params = {key: resolved[key] for key in params}
         written.update(outs)
         return StepDef(kind, target, tuple(ins), tuple(outs), MappingProxyType(dict(params)))
 
     def _kernel_step(self, where: str, target: Any, ins: list[str], outs: list[str],
-                     params: dict, tensors: Mapping) -> None:
+                     params: dict, tensors: Mapping) -> dict[str, Any]:
+        """Check a kernel step against its kernel's spec; returns its resolved params."""
         spec = _program_kernel(target, where)
         if len(ins) != spec.n_in:
             raise InvalidProgram(f"{where}.in", f"{spec.n_in} inputs for {spec.name}", len(ins))
@@ -1053,6 +1057,7 @@ class _Validator:
                 raise InvalidProgram(f"{where}.out[{j}]", f"a tensor of shape {list(want)} "
                                      f"({spec.name} of its inputs)",
                                      f"{n}: {list(tensors[n][1])}")
+        return resolved
 
     def _obj(self, value: Any, where: str, required: Sequence[str],
              optional: Sequence[str]) -> dict:

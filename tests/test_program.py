@@ -59,6 +59,27 @@ def test_save_round_trips_exactly(tmp_path):
                                                                                '"r.npz"')
 
 
+def test_params_are_written_back_as_the_kernel_takes_them(tmp_path):
+    """An int param given as an integral float ("us": 50.0) runs as 50, and a float param
+    given as an int as 2.0; save() and to_manifest() wrote them back as given (50.0), so the
+    file said something other than what ran. Params left out stay out (their defaults)."""
+    doc = manifest()
+    steps = doc["methods"]["forward"]["steps"]
+    steps[2]["params"]["us"] = 50.0
+    steps.insert(2, {"kernel": "scale", "in": ["y"], "out": ["z"], "params": {"factor": 2}})
+    y = next(t for t in doc["methods"]["forward"]["outputs"] if t["name"] == "y")
+    doc["methods"]["forward"]["buffers"].append({**y, "name": "z"})
+    p = Program.load(write(tmp_path, doc))
+    written = p.to_manifest()["methods"]["forward"]["steps"]
+    assert type(written[3]["params"]["us"]) is int and written[3]["params"]["us"] == 50
+    assert type(written[2]["params"]["factor"]) is float and written[2]["params"]["factor"] == 2
+    assert "params" not in written[0]
+    p.save(tmp_path / "q.json")
+    saved = json.loads((tmp_path / "q.json").read_text())["methods"]["forward"]["steps"]
+    assert type(saved[3]["params"]["us"]) is int and type(saved[2]["params"]["factor"]) is float
+    assert Program.load(tmp_path / "q.json") == p
+
+
 @pytest.mark.parametrize("value", [np.float32(2.5), np.array(7, np.int32)], ids=["f32", "i32"])
 def test_a_scalar_constant_loads_as_saved_and_from_a_hand_written_npz(tmp_path, value):
     """A 0-d constant (shape [], like a scalar input) was refused by load(), even from a file
