@@ -117,7 +117,8 @@ LATCH = KernelSpec(
     name="latch", n_in=0, n_out=0, source=LATCH_CUDA, entry="sl_latch",
     infer=_no_ins("latch"), configure=checked_configure("latch", _no_ins("latch"), _latch_launch),
     host=_latch_host, host_check=_latch_host_check, reference=lambda ins, p: [],
-    in_programs=False,
+    in_programs=False, internal=True,
+    instead="use device.create_latch(): its hold(stream) enqueues the latch, release() opens it",
     params={
         "flag_ptr": Param(int, None, minimum=0, maximum=2**64 - 1,
                           doc="device address of a host-mapped uint32 flag; the latch opens "
@@ -127,7 +128,9 @@ LATCH = KernelSpec(
                                 "never releases cannot hang the GPU"),
     },
     doc="Holds its stream until the host releases it, or `timeout_us` passes. Not usable in "
-        "programs: it needs a host-side object. CUDA: `flag_ptr` is the device address of a "
+        "programs: it needs a host-side object; launched by the runtime only (Latch): an "
+        "address a caller passed would be read unchecked, a fault for the whole context. "
+        "CUDA: `flag_ptr` is the device address of a "
         "host-mapped pinned uint32 (passed as an unsigned long long scalar); the host writes a "
         "nonzero value to release. Host device: the resolved params additionally carry "
         "'_release', a threading.Event, which the host twin waits on. resolve_params rejects "

@@ -86,6 +86,7 @@ STRIDED_COPY = KernelSpec(
             "rank": Param(int, None, 1, MAX_RANK, "dimensions of the source"),
             "itemsize": Param(int, None, 1, 16, "bytes per element")},
     dtypes=("uint8",), in_programs=False, internal=True,
+    instead="pass the array to a method's set_inputs(), which gathers another layout with it",
     doc="Gather a strided array into C order, bytewise (inputs: source bytes starting at the "
         "first element, int64 meta = shape + byte strides).")
 

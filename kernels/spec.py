@@ -104,8 +104,10 @@ class KernelSpec:
     dtypes: tuple[str, ...] = ("float32",)
     in_programs: bool = True  # False for kernels that need a host-side object (latch)
     # Launched only by the runtime, with arguments it derives itself: a caller naming it could
-    # make it read anywhere (strided_copy's byte strides are data, not checked against memory).
+    # make it read anywhere (strided_copy's byte strides, latch's flag address: data, not
+    # checked against memory). ``instead`` says what a caller uses in its place.
     internal: bool = False
+    instead: str = ""
     # Whether an output may be exactly one of the inputs (same memory): every element is
     # written only by the thread that read what it needs of it, after reading it.
     in_place: bool = False

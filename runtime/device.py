@@ -18,7 +18,14 @@ from typing import Any
 
 import numpy as np
 
-from streamlane.kernels import KernelSpec, KernelSpecError, LaunchConfig, UnknownKernel, get_kernel
+from streamlane.kernels import (
+    KernelSpec,
+    KernelSpecError,
+    LaunchConfig,
+    UnknownKernel,
+    get_kernel,
+    kernel_names,
+)
 
 from .dtypes import as_host_array
 from .errors import InvalidArgument
@@ -458,10 +465,11 @@ class Latch:
     def __init__(self, device: Device):
         self.device = device
         self._params, self._impl = device._new_latch()
-        self._prepared = device.prepare("latch", [], [], {k: v for k, v in self._params.items()
-                                                          if not k.startswith("_")},
-                                        extra={k: v for k, v in self._params.items()
-                                               if k.startswith("_")})
+        self._prepared = device._prepare(get_kernel("latch"), [], [],
+                                         {k: v for k, v in self._params.items()
+                                          if not k.startswith("_")},
+                                         extra={k: v for k, v in self._params.items()
+                                                if k.startswith("_")})
         self.released = False
 
     def hold(self, stream: Stream) -> None:
@@ -485,13 +493,13 @@ def _public_kernel(name: str) -> KernelSpec:
     launch, with arguments it derives itself."""
     try:
         spec = get_kernel(name)
-    except UnknownKernel as exc:
-        raise InvalidArgument(str(exc.args[0] if exc.args else exc)) from None
+    except UnknownKernel:
+        public = [n for n in kernel_names() if not get_kernel(n).internal]
+        raise InvalidArgument(f"unknown kernel {name!r}; valid kernels: "
+                              f"{', '.join(public)}") from None
     if spec.internal:
         raise InvalidArgument(f"kernel {name!r} is launched by the runtime only (its arguments "
-                              f"are not checked against the memory they reach); pass the "
-                              f"array to a method's set_inputs(), which gathers another layout "
-                              f"with it")
+                              f"are not checked against the memory they reach); {spec.instead}")
     return spec
 
 

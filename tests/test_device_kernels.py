@@ -85,26 +85,32 @@ def test_layernorm_of_rows_far_from_zero(device):
             assert rel_err(got, want) <= 1e-4, rel_err(got, want)
 
 
-def test_a_latch_the_host_device_cannot_run_is_refused_at_launch_not_on_its_stream():
-    """``launch("latch", flag_ptr=5)`` is CUDA's way; on the host device it was accepted, then
-    its numpy twin (which waits on a host-side event) failed on the stream's worker and the
-    device was lost for the rest of the process. It is refused at the launch, and the device
-    keeps working."""
-    from streamlane.runtime import get_device
+def test_a_latch_is_launched_by_the_runtime_only_and_a_refusal_keeps_the_device(device):
+    """``launch("latch", flag_ptr=...)`` used to be accepted: on the host device its numpy
+    twin (which waits on a host-side event) then failed on the stream's worker and the device
+    was lost for the rest of the process; on CUDA the kernel read whatever address it was given
+    (0x1234: an illegal address, the context lost). The latch is the runtime's to launch, as
+    ``strided_copy`` is: ``launch`` and ``prepare`` refuse it saying what to use, and the
+    device keeps working."""
     from streamlane.runtime.errors import InvalidArgument
 
-    dev = get_device("host")
-    s = dev.create_stream()
+    s = device.create_stream()
     try:
-        with pytest.raises(InvalidArgument, match=r"params\._release.*create_latch"):
-            dev.launch("latch", s, [], [], {"flag_ptr": 5, "timeout_us": 1000})
-        with pytest.raises(InvalidArgument, match=r"params\._release"):
-            dev.prepare("latch", [], [], {"flag_ptr": 5})
+        for flag in (5, 0x1234, 2**40):
+            with pytest.raises(InvalidArgument, match=r"runtime only.*create_latch\(\)"):
+                device.launch("latch", s, [], [], {"flag_ptr": flag, "timeout_us": 1000})
+            with pytest.raises(InvalidArgument, match=r"runtime only.*create_latch\(\)"):
+                device.prepare("latch", [], [], {"flag_ptr": flag})
+        with pytest.raises(InvalidArgument, match="unknown kernel") as unknown:
+            device.prepare("latchh", [], [])
+        assert "latch," not in str(unknown.value) and "strided_copy" not in str(unknown.value)
+        assert "relu" in str(unknown.value)
         s.synchronize()
-        assert not dev.lost
-        with dev.create_latch() as latch:  # the host device's way still works
+        assert not device.lost
+        with device.create_latch() as latch:  # the way to hold a stream
             latch.hold(s)
+            x = device.to_device(np.ones(4, np.float32), s)
             latch.release()
-        s.synchronize()
+        assert device.to_host(x, s).tolist() == [1.0] * 4
     finally:
         s.close()
