@@ -253,7 +253,8 @@ class DiskCache:
     """
 
     def __init__(self, directory: str | os.PathLike[str], suffix: str = ".bin"):
-        self.directory = Path(directory)
+        # absolute: a relative folder ($STREAMLANE_CACHE_DIR=cache) must not follow chdir()
+        self.directory = Path(directory).absolute()
         self.suffix = suffix
         self._locks: dict[str, threading.Lock] = {}
         self._locks_lock = threading.Lock()
@@ -300,13 +301,17 @@ class DiskCache:
         return final
 
     def _sweep(self) -> None:
-        """Remove temp files of this cache that a killed writer left (``STALE_TEMP_S`` old)."""
+        """Remove temp files of this cache that a killed writer left (``STALE_TEMP_S`` old):
+        named as ``put`` names them and holding the start of an entry (or nothing yet), so
+        that a file of someone else's in a shared folder (``draft.tmp``) is never touched."""
         cutoff = time.time() - STALE_TEMP_S
         with contextlib.suppress(OSError):
             for entry in os.scandir(self.directory):
                 with contextlib.suppress(OSError):
-                    if entry.name.endswith(".tmp") and entry.is_file(follow_symlinks=False) \
-                            and entry.stat(follow_symlinks=False).st_mtime < cutoff:
+                    if _TEMP_NAME.fullmatch(entry.name) \
+                            and entry.is_file(follow_symlinks=False) \
+                            and entry.stat(follow_symlinks=False).st_mtime < cutoff \
+                            and _starts_an_entry(entry.path):
                         os.unlink(entry.path)
 
     def get_or_build(self, key: str, build: Callable[[], bytes],
@@ -335,6 +340,21 @@ class DiskCache:
     def _lock_for(self, key: str) -> threading.Lock:
         with self._locks_lock:
             return self._locks.setdefault(key, threading.Lock())
+
+
+# put()'s temp files: mkstemp(prefix=f"{key}.", suffix=".tmp"), its random part [a-z0-9_]
+_TEMP_NAME = re.compile(r"[0-9A-Za-z_.-]{1,128}\.[a-z0-9_]{1,16}\.tmp")
+
+
+def _starts_an_entry(path: str) -> bool:
+    """Whether the file at ``path`` holds a prefix of an entry (empty included): what a
+    writer killed partway through ``put`` leaves."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0))
+    try:
+        head = os.read(fd, len(_MAGIC))
+    finally:
+        os.close(fd)
+    return _MAGIC.startswith(head)
 
 
 def _read_entry(path: Path) -> bytes | None:

@@ -275,14 +275,39 @@ def test_an_entry_that_is_not_a_small_regular_file_is_a_miss_without_reading_it(
 
 
 def test_temp_files_a_killed_writer_left_are_swept_once_stale(tmp_path):
-    stale, fresh = tmp_path / "k.abc.tmp", tmp_path / "k.def.tmp"
-    stale.write_bytes(b"half")
-    fresh.write_bytes(b"being written")
+    """Only put()'s own temp files go: a killed writer's (a start of an entry, or empty) once
+    stale. The sweep took every old ``*.tmp`` of the folder, someone's ``draft.tmp`` in a
+    shared $STREAMLANE_CACHE_DIR too."""
+    half = compile_mod._MAGIC[:7]
+    stale, empty, fresh = (tmp_path / f"k.{r}.tmp" for r in ("abc12_xy", "q", "def34_zw"))
+    stale.write_bytes(half)
+    empty.write_bytes(b"")
+    fresh.write_bytes(half)
+    others = {"draft.tmp": half, "notes.abc12_xy.tmp": b"my notes", "k.abc12_xy.tmp.bak": half,
+              "k.ABC.tmp": half}
+    for name, data in others.items():
+        (tmp_path / name).write_bytes(data)
     old = time.time() - compile_mod.STALE_TEMP_S - 10
-    os.utime(stale, (old, old))
+    for path in (stale, empty, *(tmp_path / name for name in others)):
+        os.utime(path, (old, old))
     K.DiskCache(tmp_path).put("k", b"data")
-    assert not stale.exists() and fresh.exists()
+    assert not stale.exists() and not empty.exists() and fresh.exists()
+    assert all((tmp_path / name).read_bytes() == data for name, data in others.items())
     assert os.stat(K.DiskCache(tmp_path).path("k")).st_mode & 0o044 == 0o044  # others may hit
+
+
+def test_a_relative_cache_folder_stays_where_it_was_when_the_process_changes_folder(
+        tmp_path, monkeypatch):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    cache = K.DiskCache("cache")
+    cache.put("k1", b"one")
+    monkeypatch.chdir(tmp_path / "b")
+    cache.put("k2", b"two")
+    assert cache.get("k1") == b"one"
+    assert sorted(p.name for p in (tmp_path / "a" / "cache").iterdir()) == ["k1.bin", "k2.bin"]
+    assert not (tmp_path / "b" / "cache").exists()
 
 
 def test_an_unresolvable_home_falls_back_to_a_temp_folder_with_a_warning(monkeypatch):
