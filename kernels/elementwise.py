@@ -17,8 +17,11 @@ import numpy as np
 from ._common import check_ins, checked_configure, f64, same_shapes, stride_launch
 from .spec import KernelSpec, LaunchConfig, Param, Shape, c_float
 
-# A float param becomes a CUDA float: anything larger would silently turn into inf.
+# A float param becomes a CUDA float: anything that rounds beyond FLT_MAX would silently turn
+# into inf. Below FLT_MAX + half its ulp a value rounds to FLT_MAX (3.4028235e38, as numpy
+# prints FLT_MAX, is a little above it); at that tie it rounds to even, which is inf.
 FLOAT32_MAX = float(np.finfo(np.float32).max)
+FLOAT32_LIMIT = float(np.nextafter(FLOAT32_MAX + 2.0 ** 103, 0.0))
 GELU_C = math.sqrt(2.0 / math.pi)
 GELU_K = 0.044715
 
@@ -27,7 +30,13 @@ RefFn = Callable[[Sequence[np.ndarray], Mapping[str, Any]], list[np.ndarray]]
 
 
 def _float_param(default: float, doc: str) -> Param:
-    return Param(float, default, minimum=-FLOAT32_MAX, maximum=FLOAT32_MAX, doc=doc)
+    return Param(float, default, minimum=-FLOAT32_LIMIT, maximum=FLOAT32_LIMIT, doc=doc)
+
+
+def _as_float32(value: float) -> float:
+    """A float param as the kernel gets it (a CUDA float), for the float64 references: 1e-50
+    is 0 there, and a reference with 1e-50 would be far from the device's exact answer."""
+    return float(np.float32(value))
 
 
 def _source(entry: str, ins: Sequence[str], body: str, scalars: Sequence[str] = ()) -> str:
@@ -76,7 +85,7 @@ def _fill_host(ins: Sequence[np.ndarray], outs: Sequence[np.ndarray],
 def _fill_reference(ins: Sequence[np.ndarray], p: Mapping[str, Any]) -> list[np.ndarray]:
     # fill has no input to take the shape from: the reference is the value as a 0-d array,
     # which broadcasts against an output of any shape.
-    return [np.asarray(p["value"], dtype=np.float64)]
+    return [np.asarray(_as_float32(p["value"]), dtype=np.float64)]
 
 
 FILL = KernelSpec(
@@ -143,14 +152,14 @@ AXPY = _elementwise(
     # One rounding, as fmaf: the float32 product is exact in float64, and the float64 sum
     # then rounds to float32 (a double rounding, 1 ulp off fmaf in rare ties at most).
     host=_assign(lambda ins, p: np.float32(p["alpha"]) * f64(ins[0]) + ins[1]),
-    reference=lambda ins, p: [p["alpha"] * f64(ins[0]) + f64(ins[1])],
+    reference=lambda ins, p: [_as_float32(p["alpha"]) * f64(ins[0]) + f64(ins[1])],
     params={"alpha": _float_param(1.0, "the factor of x")},
     doc="out = alpha * x + y (same shapes).")
 
 SCALE = _elementwise(
     "scale", ("x",), "out[i] = factor * x[i];",
     host=lambda ins, outs, p: np.multiply(ins[0], np.float32(p["factor"]), out=outs[0]),
-    reference=lambda ins, p: [p["factor"] * f64(ins[0])],
+    reference=lambda ins, p: [_as_float32(p["factor"]) * f64(ins[0])],
     params={"factor": _float_param(1.0, "the factor")},
     doc="out = factor * x.")
 

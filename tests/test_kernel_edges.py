@@ -509,7 +509,8 @@ def test_gelu_special_values_and_negative_tail(device):
     """Same formula in CUDA, host twin and reference (gelu(-inf) is NaN in all three). The tail
     keeps its relative accuracy: computed as 0.5x(1+tanh(u)), 1 + tanh(u) cancelled and the
     relative error reached ~13 near x = -5.4, with 0 below (reference ~1e-8). What is left is
-    exp's sensitivity to u's float32 rounding, ~2|u| ulps (1.3e-5 at x = -9.5)."""
+    exp's sensitivity to u's float32 rounding, ~2|u| ulps (1.56e-5 at x = -9.89:
+    bench/gelu_tail_probe.py)."""
     special = np.array([0.0, -0.0, 1e-30, -1e-30, np.inf, -np.inf, np.nan, 1e13, -1e13, 8.0,
                         -8.0], np.float32)
     with np.errstate(all="ignore"):
@@ -564,6 +565,29 @@ def test_float_params_at_the_float32_limits(device, name):
     for bad in (3.5e38, float("inf"), float("nan")):
         key = next(iter(params))
         with pytest.raises(InvalidArgument):
+            device.prepare(name, [a.shape for a in ins], [(3,)], {key: bad})
+
+
+@pytest.mark.parametrize("name", ["fill", "scale", "axpy"])
+def test_float_params_are_taken_as_the_float32_the_kernel_gets(device, name):
+    """FLT_MAX as numpy prints it (3.4028235e38, a little above FLT_MAX) was refused though
+    the kernel's float rounds it to FLT_MAX; a param the float rounds to zero (1e-50) gave a
+    float64 reference of 1e-20 where the device's exact answer is 0."""
+    x = np.array([1e30, -3e38, 0.5], np.float32)
+    ins = {"fill": [], "scale": [x], "axpy": [x, np.zeros(3, np.float32)]}[name]
+    key = {"fill": "value", "scale": "factor", "axpy": "alpha"}[name]
+    out = [(3,)] if name == "fill" else None
+    for value, f32 in ((3.4028235e38, F32_MAX), (-3.4028235e38, -F32_MAX), (1e-50, 0.0),
+                       (-1e-45, -1e-45)):
+        with np.errstate(all="ignore"):
+            (got,) = _launch(device, name, ins, {key: value}, out_shapes=out)
+            want = np.broadcast_to(_reference(name, ins, {key: value})[0], (3,))
+            also = np.broadcast_to(_reference(name, ins, {key: f32})[0], (3,))
+            exact = want.astype(np.float32)  # inf where 1e30 * FLT_MAX overflows
+        np.testing.assert_array_equal(want, also)  # the reference takes the float32 value
+        np.testing.assert_allclose(got, exact, rtol=1e-7, atol=0)
+    for bad in (F32_MAX + 2.0 ** 103, -(F32_MAX + 2.0 ** 103)):  # the tie rounds to inf
+        with pytest.raises(InvalidArgument, match=f"params.{key}"):
             device.prepare(name, [a.shape for a in ins], [(3,)], {key: bad})
 
 
