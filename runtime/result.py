@@ -67,10 +67,14 @@ def mark_release(buffer: Buffer, consumer: Stream, blind: Callable[[], None] | N
 class PooledBuffer:
     """One output buffer of a method, with what a writer must wait for before reusing it."""
 
-    __slots__ = ("__weakref__", "array", "blind", "event", "exported", "held", "unsure")
+    __slots__ = ("__weakref__", "array", "blind", "event", "exported", "held", "lets_go",
+                 "unsure")
 
     def __init__(self, array: DeviceArray, event: Event):
         self.array = array
+        # Its pool's count of buffers let go (OutputPool.let_go): one list shared by the pool's
+        # buffers, so that no buffer refers back to its pool.
+        self.lets_go: list[int] = [0]
         # Recorded after each execute that writes the buffer and reads no Result (methods of
         # one output), and reused: while a Result holds the buffer the writer takes another
         # one, so a live Result's event never moves. What else kept the event (the method's
@@ -153,7 +157,7 @@ class OutputPool:
     (and a trim leaves such a one for a later window): the device would otherwise make the
     execute wait for that read. With two, the one free buffer is taken, with that wait."""
 
-    __slots__ = ("buffers", "make", "most", "quiet", "turn")
+    __slots__ = ("all_held", "buffers", "let_go", "make", "most", "quiet", "turn")
 
     def __init__(self, make: Callable[[Stream], PooledBuffer]):
         self.make = make  # allocates one more buffer, stream-ordered
@@ -161,6 +165,12 @@ class OutputPool:
         self.turn = 0  # where the next search starts (pools of more than two)
         self.quiet = 0  # executes in this window (it restarts when the pool grows)
         self.most = 0  # the most buffers counted held in this window
+        # Buffers let go so far (a Result dropped), counted by _Holder.__del__ on any thread,
+        # and (that count, the pool's size) when a search last found every buffer held: until
+        # one is let go, the next execute grows the pool without searching again, so that
+        # holding thousands of Results (submit them all, then gather) costs no search each.
+        self.let_go = [0]
+        self.all_held: tuple[int, int] | None = None
 
     def __len__(self) -> int:
         return len(self.buffers)
@@ -175,9 +185,20 @@ class OutputPool:
                     pooled.prepare_write(stream)
                     return pooled
             return self._grow(stream)
+        let_go = self.let_go[0]  # before the search: a buffer let go later changes it
+        if self.all_held is not None:
+            seen, size = self.all_held
+            # n < 1.25 size: a count that lost an increment (two threads' `+= 1` interleaved,
+            # the GIL switching inside it) costs a few extra buffers, never a pool that grows
+            # without looking for ever.
+            if seen == let_go and n < size + (size >> 2) + 1:
+                return self._grow(stream)
+            self.all_held = None
         start = self.turn
         self.quiet += 1
-        check = self.quiet % _CHECK_EVERY == 0
+        # Counting is a pass over the pool: in a pool of thousands (a burst's), every 64th of
+        # its size, still 64 counts a window, so that an execute costs no pass of its own.
+        check = self.quiet % max(_CHECK_EVERY, n >> 6) == 0
         fallback = -1
         for k in range(n):
             i = start + k if start + k < n else start + k - n
@@ -193,6 +214,7 @@ class OutputPool:
                 return self._write(i, check, stream)
         if fallback >= 0:
             return self._write(fallback, check, stream)
+        self.all_held = (let_go, n)
         return self._grow(stream)
 
     def _write(self, i: int, check: bool, stream: Stream) -> PooledBuffer:
@@ -205,6 +227,7 @@ class OutputPool:
 
     def _grow(self, stream: Stream) -> PooledBuffer:
         pooled = self.make(stream)
+        pooled.lets_go = self.let_go
         self.buffers.append(pooled)
         self.quiet = self.most = 0
         return pooled
@@ -220,10 +243,13 @@ class OutputPool:
         # Freed on this stream, after its readers: not one still read elsewhere (this execute
         # would wait for that read though it writes another buffer); a later window takes it.
         idle = [b for b in idle if _readers_done(b, stream.key)]
-        for pooled in idle[:len(buffers) - max(2, 2 * self.most)]:
+        freed = idle[:len(buffers) - max(2, 2 * self.most)]
+        for pooled in freed:
             pooled.prepare_write(stream)
-            buffers.remove(pooled)
             pooled.array.buffer.free(stream)
+        if freed:  # one pass, not a list.remove() each: a burst's pool frees thousands
+            gone = set(map(id, freed))
+            buffers[:] = [b for b in buffers if id(b) not in gone]
         self.turn = buffers.index(keep) + 1
         self.quiet = self.most = 0
 
@@ -247,7 +273,9 @@ class _Holder:
         pooled.held = True
 
     def __del__(self) -> None:  # cheaper than weakref.finalize on the per-call path
-        self.pooled.held = False
+        pooled = self.pooled
+        pooled.held = False
+        pooled.lets_go[0] += 1  # after the flag: a search that misses the flag sees the count
 
 
 class Result:

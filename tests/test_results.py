@@ -119,6 +119,60 @@ def test_a_burst_of_held_results_is_freed_after_two_windows(device):
     np.testing.assert_array_equal(out.to_host(), 2 * x)
 
 
+class _Looked(list):
+    """A pool's buffer list that counts the buffers its search looks at (by index)."""
+
+    looked = 0
+
+    def __getitem__(self, i):
+        _Looked.looked += 1
+        return super().__getitem__(i)
+
+
+def test_holding_thousands_of_results_costs_no_search_each(device):
+    """Submit-then-gather holds one output per call: every execute searched the whole pool,
+    found every buffer held and grew it, so a call cost grew with the Results held (1.2 ms
+    each with 8,000 held on the host device, quadratic overall). The pool remembers that all
+    were held until one is let go."""
+    m = scaler(shape=(16,)).method("forward", device=device)
+    x = rand((16,))
+    held = [m([x])[0] for _ in range(1000)]
+    pool = m._pools[0]
+    pool.buffers = _Looked(pool.buffers)
+    _Looked.looked = 0
+    held += [m([x])[0] for _ in range(200)]
+    assert _Looked.looked <= 2 * 1250, "each execute searched the held buffers"
+    assert len(pool) == 1200
+    for r in held[-5:]:
+        np.testing.assert_array_equal(r.to_host(), 2 * x)
+    # One let go: the next execute searches and takes it, growing nothing.
+    freed = held.pop(600).array.ptr
+    gc.collect()
+    (y,) = m([x])
+    assert y.array.ptr == freed and len(pool) == 1200
+    np.testing.assert_array_equal(y.to_host(), 2 * x)
+
+
+def test_a_lost_count_of_let_go_buffers_costs_a_quarter_more_at_most(device):
+    """Results are let go on any thread, and the pool's count of them is a plain `+= 1`:
+    two threads interleaving inside it lose one. Then the pool believes every buffer is still
+    held; it grows without searching for a quarter of its size at most, then searches."""
+    m = scaler(shape=(16,)).method("forward", device=device)
+    x = rand((16,))
+    held = [m([x])[0] for _ in range(400)]
+    pool = m._pools[0]
+    assert pool.all_held is not None
+    count = pool.let_go[0]
+    del held[:200]
+    gc.collect()
+    pool.let_go[0] = count  # as if every one of those increments was lost
+    for _ in range(200):
+        held.append(m([x])[0])
+    assert 400 < len(pool) <= 400 + 400 // 4 + 1
+    for r in held[-3:]:
+        np.testing.assert_array_equal(r.to_host(), 2 * x)
+
+
 def test_a_buffer_still_read_elsewhere_is_neither_rewritten_nor_freed_while_others_are_free(
         device):
     """A pool of four: one dropped buffer still read by a consumer held behind a latch on
