@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+import operator
 from typing import Any
 
 import ml_dtypes
@@ -10,7 +11,7 @@ import numpy as np
 
 from .errors import InvalidArgument
 
-__all__ = ["DTYPES", "as_host_array", "dtype_from_name", "dtype_name", "real_in"]
+__all__ = ["DTYPES", "as_host_array", "dtype_from_name", "dtype_name", "int_in", "real_in"]
 
 DTYPES: dict[str, np.dtype] = {
     "float32": np.dtype(np.float32),
@@ -53,6 +54,18 @@ def as_host_array(value: object, what: str, order: str | None = None) -> np.ndar
     except Exception as exc:
         raise InvalidArgument(f"{what}: {type(value).__name__} is not array-like: "
                               f"{exc}") from exc
+
+
+def int_in(value: Any, low: int, high: int | None = None) -> int | None:
+    """``value`` as an int if it is an integer in [low, high] (numpy's included, anything with
+    ``__index__``; not a bool), else None: a lane picked with ``np.argmin`` is an int64."""
+    if isinstance(value, (bool, np.bool_)):
+        return None
+    try:
+        number = operator.index(value)
+    except TypeError:
+        return None
+    return number if low <= number and (high is None or number <= high) else None
 
 
 def real_in(value: Any, low: float, high: float) -> float | None:

@@ -57,7 +57,7 @@ import anyio
 from anyio.lowlevel import checkpoint_if_cancelled
 
 from streamlane.runtime import Device, Event, Method, Result, Stream, get_device
-from streamlane.runtime.dtypes import real_in
+from streamlane.runtime.dtypes import int_in, real_in
 from streamlane.runtime.errors import (
     InvalidArgument,
     InvalidInput,
@@ -243,10 +243,14 @@ class Scheduler:
                  queue_size: int = 1024, timing: bool = True, spin_us: float = 0.0,
                  poll_us: float = 50.0, inline: bool = True, timeline_size: int = 100_000):
         self.device: Device = device if isinstance(device, Device) else get_device(device)
+        checked = []
         for name, value, low in (("lanes", lanes, 1), ("queue_size", queue_size, 1),
                                  ("timeline_size", timeline_size, 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            number = int_in(value, low)
+            if number is None:
                 raise InvalidArgument(f"Scheduler: {name} must be an int >= {low}, got {value!r}")
+            checked.append(number)
+        lanes, queue_size, timeline_size = checked
         if lanes > MAX_LANES:  # two threads each: 10**6 lanes took minutes before any error
             raise InvalidArgument(f"Scheduler: lanes must be at most {MAX_LANES} (each is two "
                                   f"host threads), got {lanes}; for wide overlap give jobs "
@@ -745,11 +749,11 @@ class Scheduler:
 
     def _pick_lane(self, method: Method, lane: int | None, state: _MethodState | None) -> Lane:
         if lane is not None:
-            if isinstance(lane, bool) or not isinstance(lane, int) or not (
-                    0 <= lane < len(self.lanes)):
+            index = lane if type(lane) is int else int_in(lane, 0)  # np.argmin's int64 too
+            if index is None or not 0 <= index < len(self.lanes):
                 raise InvalidArgument(f"lane must be an int in 0..{len(self.lanes) - 1} (or None "
                                       f"to keep the method's lane), got {lane!r}")
-            return self.lanes[lane]
+            return self.lanes[index]
         if state is not None:
             return state.lane
         return min(self.lanes, key=lambda ln: (ln.outstanding, len(ln.methods), ln.index))
@@ -800,10 +804,9 @@ class Scheduler:
                 f"stream= takes a Stream of this device (device.create_stream()) or an object "
                 f"with __cuda_stream__ (torch, CuPy, cuda.core), got {type(stream).__name__}; "
                 f"leave it None to run the job on its lane's own stream")
-        try:
-            handle = foreign_stream_handle(stream)
-        except InvalidArgument:
-            return  # what is wrong with it fails the job (its lane reads it again)
+        # What is wrong with it is refused here, not when its job fails (its lane reads it
+        # again, and a stream that went bad since fails the job).
+        handle = foreign_stream_handle(stream)
         if handle == PER_THREAD_HANDLE:  # refused, as a per-thread Stream is
             raise InvalidArgument(
                 f"stream= {type(stream).__name__} names the per-thread default stream (handle "

@@ -679,10 +679,25 @@ async def test_bad_arguments_raise_invalid_argument(device):
             def __cuda_stream__(self):
                 raise AttributeError("not initialised yet")
 
-        job = await sched.submit(method, [data(0)], stream=NotReady())
         with pytest.raises(InvalidArgument, match=r"NotReady.__cuda_stream__ raised "
                                                   r"AttributeError\('not initialised yet'\)"):
-            await job
+            await sched.submit(method, [data(0)], stream=NotReady())
+        # One that cannot be read was accepted, took lane room and failed only when awaited.
+        for stream in (type("S", (), {"__cuda_stream__": lambda s: None})(),
+                       type("S", (), {"__cuda_stream__": lambda s: "abc"})(),
+                       type("S", (), {"__cuda_stream__": 5})(),
+                       type("S", (), {"__cuda_stream__": lambda s: (0, -1)})(),
+                       type("S", (), {"__cuda_stream__": lambda s: (0, 2**70)})()):
+            with pytest.raises(InvalidArgument, match="__cuda_stream__"):
+                await sched.submit(method, [data(0)], stream=stream)
+        assert sched.pending == 0
+        # a lane picked with np.argmin was refused as "not an int in 0..1"
+        for lane in (np.int64(1), np.uint8(0)):
+            np.testing.assert_array_equal(
+                (await sched.run(method, [data(1)], lane=lane))[0].to_host(), 2 * data(1))
+        for bad in (np.int64(2), np.float64(1.0), np.bool_(True), 1.0):
+            with pytest.raises(InvalidArgument, match=r"lane must be an int in 0\.\.1"):
+                await sched.submit(method, [data(0)], lane=bad)
         stream = device.create_stream()
         await sched.run(method, [data(0)], stream=stream)
         stream.close()  # a stream that passed before is checked again
@@ -700,6 +715,16 @@ async def test_bad_arguments_raise_invalid_argument(device):
             await sched.submit(print, [data(0)])
     with pytest.raises(InvalidArgument, match="lanes must be an int >= 1"):
         Scheduler(device, lanes=0)
+    for name in ("lanes", "queue_size", "timeline_size"):
+        with pytest.raises(InvalidArgument, match=f"{name} must be an int"):
+            Scheduler(device, **{name: np.bool_(True)})
+        with pytest.raises(InvalidArgument, match=f"{name} must be an int"):
+            Scheduler(device, **{name: 2.0})
+    numbered = Scheduler(device, lanes=np.int64(3), queue_size=np.int32(8),
+                         timeline_size=np.uint16(5))
+    assert (len(numbered.lanes), numbered.queue_size) == (3, 8)
+    assert all(type(v) is int for v in (numbered.queue_size,))
+    await numbered.aclose()
     start = time.perf_counter()  # 10**6 lanes ran for minutes in the constructor
     with pytest.raises(InvalidArgument, match=r"lanes must be at most 1024 .*caller streams"):
         Scheduler(device, lanes=10**6)

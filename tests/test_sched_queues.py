@@ -135,16 +135,22 @@ async def test_one_stream_through_many_wrapper_objects_counts_once(device, monke
 
 @pytest.mark.anyio
 async def test_an_unhashable_bad_stream_fails_its_job_and_leaks_no_room(device, monkeypatch):
-    """A stream= object whose __cuda_stream__ is broken fails its job on the lane with
-    InvalidArgument; counting it as a busy stream must not raise (it is unhashable) nor keep
-    its room on the lane."""
+    """A stream= object whose __cuda_stream__ breaks after submit() read it fails its job on
+    the lane with InvalidArgument; counting it as a busy stream must not raise (it is
+    unhashable) nor keep its room on the lane. (One broken from the start is refused by
+    submit().)"""
     monkeypatch.setattr(device, "hardware_queues", 8)
+    real = device.create_stream()
 
     class Broken:
         __hash__ = None  # type: ignore[assignment]
 
+        def __init__(self):
+            self.reads = 0
+
         def __cuda_stream__(self):
-            return (0, None)
+            self.reads += 1
+            return (0, real.handle) if self.reads == 1 else (0, None)
 
     method = double_program("broken").method("forward", device=device)
     with anyio.fail_after(30):
@@ -164,6 +170,7 @@ async def test_an_unhashable_bad_stream_fails_its_job_and_leaks_no_room(device, 
             (y,) = await sched.run(method, [data(9)])
             assert sched.lanes[0].outstanding == 0
     np.testing.assert_allclose(y.to_host(), 2 * data(9), rtol=1e-6)
+    real.close()
 
 
 @pytest.mark.anyio
