@@ -161,6 +161,9 @@ class HostDevice(Device):
     def inject_failure(self, stream: Stream, message: str = "injected failure") -> None:
         """Make the device fault when ``stream`` reaches this point (test hook)."""
         impl = self._stream_impl(stream, "inject_failure")
+        if not isinstance(message, str):  # it becomes the fault's text, as inject_delay checks
+            raise InvalidArgument(f"inject_failure: message must be a str, got "
+                                  f"{type(message).__name__}")
 
         def fail() -> None:
             raise RuntimeError(message)

@@ -748,3 +748,9 @@ def test_the_injection_hooks_refuse_what_is_not_a_stream(host):
         with pytest.raises(InvalidArgument, match="stream must be a Stream"):
             call()
     host.inject_delay(host.create_stream(), np.float32(0.001))  # numpy's numbers are numbers
+    s = host.create_stream()
+    for bad in (5, None, b"boom"):  # it became the fault's text as it was, as str()
+        with pytest.raises(InvalidArgument, match="inject_failure: message must be a str"):
+            host.inject_failure(s, bad)
+    s.synchronize()
+    assert not host.lost
