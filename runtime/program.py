@@ -5,6 +5,7 @@ of argument, such as ``Program.load(123)``, is an ``InvalidArgument``)."""
 
 from __future__ import annotations
 
+import errno
 import inspect
 import json
 import math
@@ -626,10 +627,15 @@ def _manifest_file(path: Path) -> Path:
     if not path.is_symlink():
         return path
     try:
+        os.stat(path)  # a loop: ELOOP (a dangling link is fine: the save makes its target)
         return path.resolve(strict=False)
-    except RuntimeError as exc:  # a symlink loop (Python 3.11-3.12)
-        raise InvalidProgram("", f"a manifest path, not a symlink loop at {path}",
-                             str(exc)) from None
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            return path.resolve(strict=False)
+        why = exc.strerror
+    except RuntimeError as exc:  # resolve() on a symlink loop, Python 3.11-3.12 (3.13 gives
+        why = str(exc)          # the path back as it is)
+    raise InvalidProgram("", f"a manifest path, not a symlink loop at {path}", why) from None
 
 
 def make_folders(folder: Path, named: str | os.PathLike[str]) -> None:
