@@ -254,7 +254,9 @@ class DiskCache:
 
     def __init__(self, directory: str | os.PathLike[str], suffix: str = ".bin"):
         # absolute: a relative folder ($STREAMLANE_CACHE_DIR=cache) must not follow chdir()
-        self.directory = Path(directory).absolute()
+        self.directory = Path(directory)
+        with contextlib.suppress(OSError):  # no current folder (deleted): writes then warn
+            self.directory = self.directory.absolute()
         self.suffix = suffix
         self._locks: dict[str, threading.Lock] = {}
         self._locks_lock = threading.Lock()
@@ -285,7 +287,8 @@ class DiskCache:
         if not self._swept:
             self._swept = True
             self._sweep()
-        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f"{key}.", suffix=".tmp")
+        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f"{key}.{_TEMP_MARK}",
+                                   suffix=".tmp")
         try:
             with os.fdopen(fd, "wb") as f:
                 os.fchmod(f.fileno(), 0o644)  # mkstemp's 0600 kept other users from hitting
@@ -342,8 +345,10 @@ class DiskCache:
             return self._locks.setdefault(key, threading.Lock())
 
 
-# put()'s temp files: mkstemp(prefix=f"{key}.", suffix=".tmp"), its random part [a-z0-9_]
-_TEMP_NAME = re.compile(r"[0-9A-Za-z_.-]{1,128}\.[a-z0-9_]{1,16}\.tmp")
+# put()'s temp files: mkstemp(prefix=f"{key}.{_TEMP_MARK}", suffix=".tmp"), whose random part
+# is 8 of [a-z0-9_]: the sweep takes nothing named otherwise (notes.draft.tmp).
+_TEMP_MARK = "streamlane-"
+_TEMP_NAME = re.compile(r"[0-9A-Za-z_.-]{1,128}\." + _TEMP_MARK + r"[a-z0-9_]{8}\.tmp")
 
 
 def _starts_an_entry(path: str) -> bool:

@@ -63,7 +63,7 @@ def int_in(value: Any, low: int, high: int | None = None) -> int | None:
         return None
     try:
         number = operator.index(value)
-    except TypeError:
+    except Exception:  # not an integer; or its own __index__ failed (ValueError, ...)
         return None
     return number if low <= number and (high is None or number <= high) else None
 

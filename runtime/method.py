@@ -373,6 +373,8 @@ class Method:
             # The last execute's outputs stand, in buffers of their own; views it may have
             # half rewritten do not (clone_outputs=False): none until an execute succeeds.
             self._outputs = previous if self.clone_outputs else None
+            for pool in self._pools:  # a buffer it took (or grew) is free with no let-go
+                pool.all_held = None  # counted: the next execute searches
             self._order_after_failure(stream, key, used)
             raise
 

@@ -198,7 +198,7 @@ class OutputPool:
         self.quiet += 1
         # Counting is a pass over the pool: in a pool of thousands (a burst's), every 64th of
         # its size, still 64 counts a window, so that an execute costs no pass of its own.
-        check = self.quiet % max(_CHECK_EVERY, n >> 6) == 0
+        check = self.quiet % (_CHECK_EVERY if n < _CHECK_EVERY << 6 else n >> 6) == 0
         fallback = -1
         for k in range(n):
             i = start + k if start + k < n else start + k - n

@@ -279,12 +279,15 @@ def test_temp_files_a_killed_writer_left_are_swept_once_stale(tmp_path):
     stale. The sweep took every old ``*.tmp`` of the folder, someone's ``draft.tmp`` in a
     shared $STREAMLANE_CACHE_DIR too."""
     half = compile_mod._MAGIC[:7]
-    stale, empty, fresh = (tmp_path / f"k.{r}.tmp" for r in ("abc12_xy", "q", "def34_zw"))
+    stale, empty, fresh = (tmp_path / f"k.streamlane-{r}.tmp"
+                           for r in ("abc12_xy", "q0000000", "def34_zw"))
     stale.write_bytes(half)
     empty.write_bytes(b"")
     fresh.write_bytes(half)
-    others = {"draft.tmp": half, "notes.abc12_xy.tmp": b"my notes", "k.abc12_xy.tmp.bak": half,
-              "k.ABC.tmp": half}
+    others = {"draft.tmp": half, "notes.abc12_xy.tmp": b"", "k.abc12_xy.tmp": half,
+              "notes.draft.tmp": b"", "a.b.tmp": b"stream", "k.streamlane-abc.tmp": half,
+              "k.streamlane-abc12_xy.tmp.bak": half, "k.streamlane-ABCDEFGH.tmp": half,
+              "notes.streamlane-abc12_xy.tmp": b"my notes"}
     for name, data in others.items():
         (tmp_path / name).write_bytes(data)
     old = time.time() - compile_mod.STALE_TEMP_S - 10
@@ -308,6 +311,18 @@ def test_a_relative_cache_folder_stays_where_it_was_when_the_process_changes_fol
     assert cache.get("k1") == b"one"
     assert sorted(p.name for p in (tmp_path / "a" / "cache").iterdir()) == ["k1.bin", "k2.bin"]
     assert not (tmp_path / "b" / "cache").exists()
+
+
+def test_a_relative_cache_folder_with_no_current_folder_only_warns(tmp_path, monkeypatch):
+    """Making the folder absolute needs the current folder: a deleted one raised
+    FileNotFoundError from the constructor, where writing the cache only warns."""
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    cache = K.DiskCache("cache")
+    with pytest.warns(RuntimeWarning, match="not writable"):
+        assert cache.get_or_build("k", lambda: b"built") == b"built"
 
 
 def test_an_unresolvable_home_falls_back_to_a_temp_folder_with_a_warning(monkeypatch):

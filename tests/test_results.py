@@ -153,6 +153,35 @@ def test_holding_thousands_of_results_costs_no_search_each(device):
     np.testing.assert_array_equal(y.to_host(), 2 * x)
 
 
+def test_a_failed_execute_leaves_the_buffer_it_grew_to_the_next_one(device, monkeypatch):
+    """An execute that grew a pool (every buffer held) and then failed before its Results
+    were made leaves that buffer free with no let-go counted: each retry grew another."""
+    b = Program.build("two")
+    m2 = b.method("forward", x=("float32", [16]))
+    m2.output(m2.step("scale", "x", out="y", factor=2.0))
+    m2.output(m2.step("scale", "x", out="z", factor=3.0))
+    m = b.finish().method("forward", device=device)
+    x = rand((16,))
+    held = [m([x]) for _ in range(200)]
+    first, second = m._pools
+    size = len(first)
+    real = second.make
+
+    def fail(stream):
+        raise MemoryError("out of memory (test)")
+
+    monkeypatch.setattr(second, "make", fail)
+    for _ in range(20):
+        with pytest.raises(MemoryError):
+            m([x])
+    assert len(first) == size + 1, "each failed execute grew the first pool again"
+    monkeypatch.setattr(second, "make", real)
+    y, z = m([x])
+    np.testing.assert_array_equal(y.to_host(), 2 * x)
+    np.testing.assert_array_equal(z.to_host(), 3 * x)
+    assert len(held) == 200
+
+
 def test_a_lost_count_of_let_go_buffers_costs_a_quarter_more_at_most(device):
     """Results are let go on any thread, and the pool's count of them is a plain `+= 1`:
     two threads interleaving inside it lose one. Then the pool believes every buffer is still
