@@ -138,6 +138,33 @@ def f64(a: Any) -> np.ndarray:
     return np.asarray(a, dtype=np.float64)
 
 
+# How many elements a host twin computes at once. Twins that make float64 or float32
+# temporaries of their input (gelu, axpy, softmax, layernorm: 3-6x its bytes at once) work on
+# blocks of this many, so that a large tensor needs a few tens of MB of scratch, not a few
+# times its size: a MemoryError inside a twin is a fault of the whole host device, where the
+# CUDA kernels need no scratch at all. Each element (each row, for the row kernels) is
+# computed exactly as in one pass.
+HOST_CHUNK = 1 << 20
+
+
+def by_blocks(fn: Callable[..., np.ndarray], ins: Sequence[np.ndarray], out: np.ndarray,
+              row: int = 1) -> None:
+    """``out[...] = fn(*ins)``, computed over blocks of whole rows of ``row`` elements (1: any
+    elementwise ``fn``) of about ``HOST_CHUNK`` elements. ``ins`` have ``out``'s size, and
+    ``out`` may be one of them (each block is read before it is written)."""
+    n = out.size
+    arrays = (out, *ins)
+    if n <= HOST_CHUNK or row <= 0 or n % row or \
+            not all(a.flags.c_contiguous and a.size == n for a in arrays):
+        out[...] = fn(*ins)
+        return
+    rows = n // row
+    flat_out, *flat_ins = (a.reshape(rows, row) for a in arrays)
+    step = max(1, HOST_CHUNK // row)
+    for r in range(0, rows, step):
+        flat_out[r:r + step] = fn(*(a[r:r + step] for a in flat_ins))
+
+
 # Block reductions for the row kernels, pasted into each source so every source stays
 # self-contained. Every thread of the block gets the result. The leading __syncthreads makes
 # back-to-back reductions safe: no warp overwrites scratch while another still reads it.

@@ -22,6 +22,7 @@ import numpy as np
 from ._common import (
     BLOCK_REDUCE_CUDA,
     ROW_EACH_CUDA,
+    by_blocks,
     check_ins,
     checked_configure,
     f64,
@@ -180,12 +181,12 @@ def _reduce_sum(x: np.ndarray, out_shape: tuple[int, ...]) -> np.ndarray:
 
 def _softmax_host(ins: Sequence[np.ndarray], outs: Sequence[np.ndarray],
                   p: Mapping[str, Any]) -> None:
-    outs[0][...] = _softmax(ins[0])
+    by_blocks(_softmax, ins, outs[0], row=ins[0].shape[-1])  # bounded scratch
 
 
 def _layernorm_host(ins: Sequence[np.ndarray], outs: Sequence[np.ndarray],
                     p: Mapping[str, Any]) -> None:
-    outs[0][...] = _layernorm(ins[0], p["eps"])
+    by_blocks(lambda x: _layernorm(x, p["eps"]), ins, outs[0], row=ins[0].shape[-1])
 
 
 def _reduce_sum_host(ins: Sequence[np.ndarray], outs: Sequence[np.ndarray],

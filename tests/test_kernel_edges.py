@@ -738,3 +738,49 @@ def test_elementwise_past_2_31_elements(cuda_device):
     assert (_tail(dev, y, 4096) == 0.0).all()
     x.buffer.free(s)
     y.buffer.free(s)
+
+
+@pytest.mark.parametrize(("name", "shape", "params", "most"), [
+    ("layernorm", (128, 65536), {"eps": 1e-5}, 1.5), ("softmax", (128, 65536), {}, 1.5),
+    ("gelu", (1 << 23,), {}, 1.5), ("axpy", (1 << 23,), {"alpha": 0.5}, 1.5),
+    ("layernorm", (3, 1_500_001), {"eps": 1e-5}, 4.0),  # rows longer than a block: one a time
+])
+def test_host_twins_compute_large_tensors_in_blocks_of_bounded_scratch(host, name, shape,
+                                                                       params, most):
+    """The twins made float64 temporaries of the whole tensor (layernorm 6x its bytes, gelu
+    4.25x, axpy 4x, softmax 3x); a MemoryError there is a fault of the whole host device. By
+    blocks of whole rows, the scratch stays a few tens of MB (``most``: at most that many
+    times the tensor's bytes here), and every element is what one pass over the whole tensor
+    gives (in place too)."""
+    import tracemalloc
+
+    from streamlane.kernels import _common
+
+    spec = get_kernel(name)
+    rng = np.random.default_rng(7)
+    ins = [rng.standard_normal(shape).astype(np.float32) * 3 + 1 for _ in range(spec.n_in)]
+    assert ins[0].size > _common.HOST_CHUNK
+    s = host.per_thread_stream()
+    d_ins = [host.to_device(a, s) for a in ins]
+    d_out = host.empty(shape, np.float32)
+    in_place = host.to_device(ins[0], s)
+    s.synchronize()
+    tracemalloc.start()
+    try:
+        host.launch(name, s, d_ins, [d_out], params)
+        s.synchronize()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    host.launch(name, s, [in_place, *d_ins[1:]], [in_place], params)
+    one_pass = np.empty(shape, np.float32)
+    real = _common.HOST_CHUNK
+    try:
+        _common.HOST_CHUNK = one_pass.size  # the whole tensor as one block
+        spec.host(ins, [one_pass], spec.resolve_params(params))
+    finally:
+        _common.HOST_CHUNK = real
+    np.testing.assert_array_equal(host.to_host(d_out, s), one_pass)
+    np.testing.assert_array_equal(host.to_host(in_place, s), one_pass)
+    ratio = peak / ins[0].nbytes
+    assert ratio <= most, f"{name}: {ratio:.2f}x the tensor's bytes of scratch"
