@@ -255,8 +255,11 @@ class DiskCache:
     def __init__(self, directory: str | os.PathLike[str], suffix: str = ".bin"):
         # absolute: a relative folder ($STREAMLANE_CACHE_DIR=cache) must not follow chdir()
         self.directory = Path(directory)
-        with contextlib.suppress(OSError):  # no current folder (deleted): writes then warn
+        self._unplaced: OSError | None = None
+        try:
             self.directory = self.directory.absolute()
+        except OSError as exc:  # no current folder (deleted): no cache for this instance,
+            self._unplaced = exc  # whatever folder the process moves to later (writes warn)
         self.suffix = suffix
         self._locks: dict[str, threading.Lock] = {}
         self._locks_lock = threading.Lock()
@@ -270,7 +273,10 @@ class DiskCache:
     def get(self, key: str) -> bytes | None:
         """The stored bytes, or None on a miss (absent, unreadable, corrupt, another key's,
         or not a regular file within the size limit)."""
-        blob = _read_entry(self.path(key))
+        path = self.path(key)
+        if self._unplaced is not None:
+            return None
+        blob = _read_entry(path)
         tag = _MAGIC + bytes([len(key)]) + key.encode()
         head = len(tag) + _DIGEST
         if blob is None or len(blob) < head or not blob.startswith(tag):
@@ -283,6 +289,10 @@ class DiskCache:
     def put(self, key: str, data: bytes) -> Path:
         """Store ``data`` under ``key`` atomically; returns the final path."""
         final = self.path(key)
+        if self._unplaced is not None:
+            raise OSError(self._unplaced.errno, f"{self._unplaced.strerror} (the current folder, "
+                          f"when the cache was made: a relative folder has no place)",
+                          str(self.directory))
         self.directory.mkdir(parents=True, exist_ok=True)
         if not self._swept:
             self._swept = True

@@ -244,12 +244,15 @@ class OutputPool:
         # would wait for that read though it writes another buffer); a later window takes it.
         idle = [b for b in idle if _readers_done(b, stream.key)]
         freed = idle[:len(buffers) - max(2, 2 * self.most)]
-        for pooled in freed:
-            pooled.prepare_write(stream)
-            pooled.array.buffer.free(stream)
         if freed:  # one pass, not a list.remove() each: a burst's pool frees thousands
             gone = set(map(id, freed))
+            # Out of the pool before any is freed: an interrupt (Ctrl-C) between the two left
+            # a freed buffer listed as free, and the next execute wrote its output there. One
+            # not freed yet then is freed by its finalizer once dropped, after its uses.
             buffers[:] = [b for b in buffers if id(b) not in gone]
+            for pooled in freed:
+                pooled.prepare_write(stream)
+                pooled.array.buffer.free(stream)
         self.turn = buffers.index(keep) + 1
         self.quiet = self.most = 0
 

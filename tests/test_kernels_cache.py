@@ -323,6 +323,11 @@ def test_a_relative_cache_folder_with_no_current_folder_only_warns(tmp_path, mon
     cache = K.DiskCache("cache")
     with pytest.warns(RuntimeWarning, match="not writable"):
         assert cache.get_or_build("k", lambda: b"built") == b"built"
+    # and never a folder under wherever the process goes next (a review)
+    monkeypatch.chdir(tmp_path)
+    with pytest.warns(RuntimeWarning, match="not writable"):
+        assert cache.get_or_build("k2", lambda: b"two") == b"two"
+    assert not (tmp_path / "cache").exists()
 
 
 def test_an_unresolvable_home_falls_back_to_a_temp_folder_with_a_warning(monkeypatch):

@@ -182,6 +182,39 @@ def test_a_failed_execute_leaves_the_buffer_it_grew_to_the_next_one(device, monk
     assert len(held) == 200
 
 
+def test_a_ctrl_c_inside_a_trim_never_leaves_a_freed_buffer_in_the_pool(device, monkeypatch):
+    """The trim freed its idle buffers, then took them out of the pool: a Ctrl-C between the
+    two (after the first free) left a freed buffer listed as free, and the next execute wrote
+    its output into memory the device had taken back (on CUDA, another allocation's)."""
+    from streamlane.runtime import memory
+
+    m = scaler(shape=(16,)).method("forward", device=device)
+    x = rand((16,))
+    held = [m([x]) for _ in range(103)]
+    del held
+    gc.collect()
+    real = memory.Buffer.free
+    interrupted = []
+
+    def free_then_ctrl_c(self, stream=None):
+        monkeypatch.setattr(memory.Buffer, "free", real)
+        real(self, stream)
+        interrupted.append(self)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(memory.Buffer, "free", free_then_ctrl_c)
+    for _ in range(10 * TRIM_AFTER):
+        try:
+            m([x])
+        except KeyboardInterrupt:
+            break
+    assert interrupted, "no trim ran"
+    assert not any(p.array.buffer.freed for p in m._pools[0].buffers)
+    for i in range(3 * TRIM_AFTER):
+        (y,) = m([x * i])
+        np.testing.assert_array_equal(y.to_host(), 2 * x * i)
+
+
 def test_a_lost_count_of_let_go_buffers_costs_a_quarter_more_at_most(device):
     """Results are let go on any thread, and the pool's count of them is a plain `+= 1`:
     two threads interleaving inside it lose one. Then the pool believes every buffer is still
