@@ -288,14 +288,17 @@ class Job:
         if self._finished:
             await self.lane._core.checkpoint()
         else:
+            checked = False  # whether this await has passed a cancellation point
             if self._is_published and self._enqueue_error is None:  # in flight: a short
                 # poll may beat the waiter's wakeup (and gives a job the loop kept to the
                 # waiter)
-                await self.lane.poll(self)
+                checked = await self.lane.poll(self)
             if not self._finished and self._claimed:  # counted as done, its settle
                 self.lane.observe(self)  # posted (or cut short by a Ctrl-C): settled here
             if not self._finished:
                 await self._wait_done()
+            elif not checked:  # settled just now (observe): `await job` is still always a
+                await self.lane._core.checkpoint()  # cancellation point, as when finished
         return self._outcome()
 
     def _outcome(self) -> list[Result]:

@@ -228,24 +228,25 @@ class Lane:
             else:
                 self._hand(job)
 
-    async def poll(self, job: Job) -> None:
+    async def poll(self, job: Job) -> bool:
         """Loop thread, ``await job``: while ``job`` is the scheduler's only pending job, poll
         its event for up to ``poll_us``, yielding to the loop between queries, and settle it
         here the moment it completes; the waiter's wakeup (a thread hop) would come later.
         Returns when the job has finished, or has been given to the waiter (the budget is
-        spent, or the await was cancelled)."""
+        spent, or the await was cancelled): True if it passed a cancellation point."""
         core = self._core
         try:
             if core.poll_s <= 0 or core.count_pending() > 1:
-                return
+                return False
             deadline = time.perf_counter() + core.poll_s
             await core.checkpoint()  # yields only if the loop has not had a yield lately
             while not job._finished and not self._complete_on_loop(job):
                 if self._unread:  # earlier jobs' spans, read while the device runs this one
                     self.read_spans()
                 if time.perf_counter() >= deadline:
-                    return
+                    return True
                 await core.yield_to_loop()
+            return True
         finally:
             self.release(job)
 

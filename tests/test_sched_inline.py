@@ -701,6 +701,35 @@ async def test_awaiting_a_finished_job_in_a_cancelled_scope_raises_the_cancellat
             np.testing.assert_allclose(y.to_host(), 2 * data(5), rtol=1e-6)
 
 
+@pytest.mark.parametrize("poll_us", [0.0, 50.0])
+async def test_awaiting_a_job_its_lane_settled_unseen_in_a_cancelled_scope_is_cancelled(
+        device, poll_us):
+    """A job its lane has finished (or refused: an input read late with the wrong shape) and
+    counted, whose settle the loop has not run yet (the loop did not turn): the await settled
+    it and gave its outcome with no cancellation point, so in a cancelled scope a refused job
+    raised its own error (seen under ``python -X dev`` by a README test) and a finished one
+    returned its outputs (with poll_us=0)."""
+    method = double_program().method("forward", device=device)
+    with anyio.fail_after(30):
+        async with Scheduler(device, lanes=1, poll_us=poll_us) as sched:
+            for value in (LateBad(), data(3)):
+                job = await sched.submit(method, [value])
+                deadline = time.monotonic() + 10
+                while not job._claimed and time.monotonic() < deadline:
+                    time.sleep(0.001)  # the loop does not turn: its settle stays posted
+                assert job._claimed and not job._finished
+                with anyio.CancelScope() as scope:
+                    scope.cancel()
+                    await job
+                assert scope.cancelled_caught, f"{job!r} was not cancelled"
+                if isinstance(value, LateBad):
+                    with pytest.raises(InvalidInput, match="shape"):
+                        await job
+                else:
+                    (y,) = await job
+                    np.testing.assert_allclose(y.to_host(), 2 * data(3), rtol=1e-6)
+
+
 async def test_a_lone_job_nobody_awaits_still_finishes(device):
     """The loop keeps a lone caller-stream job for ``await job`` to poll; a job nobody awaits
     must finish all the same: when looked at, when the next job needs its slot (here a full
