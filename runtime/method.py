@@ -370,12 +370,17 @@ class Method:
                 if pooled else [Result(view, event, key, view_only=True) for view in self._views]
             self.executions += 1
         except BaseException:
+            # Unordered until _order_after_failure has marked where the part enqueued ends: a
+            # second Ctrl-C before it gets there leaves the next execute to wait for the
+            # whole device (may_wait_on_host), not to run unordered after that part.
+            unordered_before, self._unordered = self._unordered, True
             # The last execute's outputs stand, in buffers of their own; views it may have
             # half rewritten do not (clone_outputs=False): none until an execute succeeds.
             self._outputs = previous if self.clone_outputs else None
             for pool in self._pools:  # a buffer it took (or grew) is free with no let-go
                 pool.all_held = None  # counted: the next execute searches
-            self._order_after_failure(stream, key, used)
+            if self._order_after_failure(stream, key, used):
+                self._unordered = unordered_before
             raise
 
     def _enqueue(self, stream: Stream, impl: Any, key: Any, start: Event | None,
@@ -458,7 +463,7 @@ class Method:
         device._record(event, impl if not stream._closed else stream._usable())
         return event
 
-    def _order_after_failure(self, stream: Stream, key: Any, used: list[Buffer]) -> None:
+    def _order_after_failure(self, stream: Stream, key: Any, used: list[Buffer]) -> bool:
         """An execute raised partway (an allocation that failed, a user step that raised, a
         Ctrl-C) after enqueuing part of its work on ``stream``: the handoff, uploads into the
         input slots, output buffers readied for rewriting (their readers' waits enqueued, the
@@ -473,8 +478,9 @@ class Method:
             # it readied have forgotten their readers. The next execute waits for the whole
             # device first (may_wait_on_host says so); the original error says what happened.
             self._unordered = True
-            return
+            return False
         self._note(key, event, used)
+        return True
 
     def _note(self, key: Any, event: Event, used: list[Buffer]) -> None:
         """``event`` marks the end of this execute's work on stream ``key``: the memory it

@@ -122,15 +122,21 @@ class PooledBuffer:
         (which a let-go on another thread cannot mark)."""
         return self.exported and (self.blind or self.unsure)
 
+    def settle_exports(self, stream: Stream) -> None:
+        """The part of ``prepare_write`` for consumers in other libraries: a consumer nobody
+        could mark (``blind``) is covered by a device-wide wait; the marked ones are among the
+        buffer's ``uses``."""
+        if self.exported:
+            if self.blind:  # a consumer nobody could mark: only a device-wide wait covers it
+                stream.device.synchronize()  # (interrupted, the buffer stays blind)
+            self.exported = self.blind = self.unsure = False
+
     def prepare_write(self, stream: Stream) -> None:
         """Order ``stream`` after every use of this buffer elsewhere (rule 8), consumers in
         other libraries included; called by the writer just before it writes the buffer
         again. No Result or export holds the buffer now, so no new use can appear while this
         runs."""
-        if self.exported:
-            if self.blind:  # a consumer nobody could mark: only a device-wide wait covers it
-                stream.device.synchronize()  # (interrupted, the buffer stays blind)
-            self.exported = self.blind = self.unsure = False
+        self.settle_exports(stream)
         uses = self.array.buffer.uses
         if uses:
             if len(uses) > 1 or stream.key not in uses:  # else only our own stream used it
@@ -194,7 +200,7 @@ class OutputPool:
             if seen == let_go and n < size + (size >> 2) + 1:
                 return self._grow(stream)
             self.all_held = None
-        start = self.turn
+        start = self.turn if self.turn < n else 0
         self.quiet += 1
         # Counting is a pass over the pool: in a pool of thousands (a burst's), every 64th of
         # its size, still 64 counts a window, so that an execute costs no pass of its own.
@@ -246,15 +252,18 @@ class OutputPool:
         freed = idle[:len(buffers) - max(2, 2 * self.most)]
         if freed:  # one pass, not a list.remove() each: a burst's pool frees thousands
             gone = set(map(id, freed))
-            # Out of the pool before any is freed: an interrupt (Ctrl-C) between the two left
-            # a freed buffer listed as free, and the next execute wrote its output there. One
-            # not freed yet then is freed by its finalizer once dropped, after its uses.
+            # Out of the pool before any is freed, and the pool whole again (its turn too)
+            # before the first free: an interrupt (Ctrl-C) in between left a freed buffer
+            # listed as free, which the next execute wrote into, or a turn past the end.
             buffers[:] = [b for b in buffers if id(b) not in gone]
-            for pooled in freed:
-                pooled.prepare_write(stream)
-                pooled.array.buffer.free(stream)
         self.turn = buffers.index(keep) + 1
         self.quiet = self.most = 0
+        for pooled in freed:
+            # free() orders the free after every use of the buffer (rule 8); its uses are kept
+            # until then (prepare_write would clear them), so that one an interrupt leaves
+            # unfreed is freed by its finalizer after them too.
+            pooled.settle_exports(stream)
+            pooled.array.buffer.free(stream)
 
 
 def _readers_done(pooled: PooledBuffer, key: Any) -> bool:

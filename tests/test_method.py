@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 
@@ -1311,3 +1312,64 @@ def test_the_reference_gives_ieee_results_without_warnings(host, kernel, params,
         ref = run_reference(p, "f", [x])[0]
     dev = p.method("f", device=host)([x])[0].to_host()
     np.testing.assert_array_equal(np.isnan(ref), np.isnan(dev))
+
+
+def test_a_second_ctrl_c_in_a_failed_execute_leaves_the_next_execute_ordered(host,
+                                                                            monkeypatch):
+    """A Ctrl-C after the steps were enqueued (at the record), then a second one at the first
+    line of the failure's handling, before it marks where that part ends: the method's next
+    execute on another stream ran unordered with the failed part, still queued behind a
+    delay, and its output read 30 (5 * 2 * 3, the failed call's) instead of 6."""
+    import sys
+
+    from streamlane.runtime import method as method_module
+
+    b = Program.build("two")
+    mb = b.method("forward", x=("float32", [1 << 12]))
+    h = mb.step("scale", "x", factor=2.0)
+    mb.output(mb.step("scale", h, out="y", factor=3.0))
+    m = b.finish().method("forward", device=host)
+    x = np.ones(1 << 12, np.float32)
+    s, t = host.create_stream(), host.create_stream()
+    code = method_module.Method._execute.__code__
+    # the handler's first step (its first line, `except` itself, is no place a fix can reach)
+    target = next(i for i, line in enumerate(inspect.getsourcelines(code)[0],
+                                             code.co_firstlineno)
+                  if "self._outputs = previous" in line)
+    state = {"interrupts": 0}
+
+    def tracer(frame, event, arg):
+        if frame.f_code is not code:
+            return None
+
+        def line(f, e, a):
+            if e == "line" and f.f_lineno == target and state["interrupts"] == 1:
+                state["interrupts"] += 1
+                raise KeyboardInterrupt
+            return line
+        return line
+
+    with CallerStream(s):
+        m([x])
+        host.inject_delay(s, 0.3)  # the failed call's part runs late on s
+        real = type(host)._record
+
+        def record(self, event, impl):
+            monkeypatch.setattr(type(host), "_record", real)
+            state["interrupts"] += 1
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(type(host), "_record", record)
+        sys.settrace(tracer)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                m([x * 5])
+        finally:
+            sys.settrace(None)
+    assert state["interrupts"] == 2
+    with CallerStream(t):
+        (y,) = m([x])
+        time.sleep(0.6)  # the failed part, were it unordered, has run over y's buffer by now
+        np.testing.assert_array_equal(y.to_host(), 6 * x)
+    s.close()
+    t.close()

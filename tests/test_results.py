@@ -182,15 +182,19 @@ def test_a_failed_execute_leaves_the_buffer_it_grew_to_the_next_one(device, monk
     assert len(held) == 200
 
 
-def test_a_ctrl_c_inside_a_trim_never_leaves_a_freed_buffer_in_the_pool(device, monkeypatch):
+@pytest.mark.parametrize("burst", [100, 103])
+def test_a_ctrl_c_inside_a_trim_never_leaves_a_freed_buffer_in_the_pool(device, monkeypatch,
+                                                                        burst):
     """The trim freed its idle buffers, then took them out of the pool: a Ctrl-C between the
     two (after the first free) left a freed buffer listed as free, and the next execute wrote
-    its output into memory the device had taken back (on CUDA, another allocation's)."""
+    its output into memory the device had taken back (on CUDA, another allocation's). Taking
+    them out first, it then left the pool's turn past its end (burst 100): IndexError on
+    every execute while three Results were held."""
     from streamlane.runtime import memory
 
     m = scaler(shape=(16,)).method("forward", device=device)
     x = rand((16,))
-    held = [m([x]) for _ in range(103)]
+    held = [m([x]) for _ in range(burst)]
     del held
     gc.collect()
     real = memory.Buffer.free
@@ -210,9 +214,56 @@ def test_a_ctrl_c_inside_a_trim_never_leaves_a_freed_buffer_in_the_pool(device, 
             break
     assert interrupted, "no trim ran"
     assert not any(p.array.buffer.freed for p in m._pools[0].buffers)
+    held = [m([x * i]) for i in range(5)]  # a search over more than two buffers
+    for i, (y,) in enumerate(held):
+        np.testing.assert_array_equal(y.to_host(), 2 * x * i)
+    del held
     for i in range(3 * TRIM_AFTER):
         (y,) = m([x * i])
         np.testing.assert_array_equal(y.to_host(), 2 * x * i)
+
+
+def test_a_buffer_a_ctrl_c_leaves_unfreed_in_a_trim_is_freed_after_its_uses(host,
+                                                                            monkeypatch):
+    """The trim cleared a buffer's uses (prepare_write) before freeing it: one a Ctrl-C left
+    unfreed was freed by its finalizer after nothing, while its stream's work on it could
+    still be queued (on CUDA a created stream is not ordered with the free's)."""
+    from streamlane.runtime import memory
+
+    m = scaler(shape=(16,)).method("forward", device=host)
+    x = rand((16,))
+    s = host.create_stream()
+    frees = []
+    real_free_memory = type(host)._free_memory
+
+    def spy(self, ptr, impl, stream_impl, after):
+        frees.append((stream_impl is None, len(after)))
+        return real_free_memory(self, ptr, impl, stream_impl, after)
+
+    monkeypatch.setattr(type(host), "_free_memory", spy)
+    real = memory.Buffer.free
+
+    def ctrl_c(self, stream=None):  # at the first free, before it
+        monkeypatch.setattr(memory.Buffer, "free", real)
+        raise KeyboardInterrupt
+
+    with CallerStream(s):
+        burst = [m([x]) for _ in range(100)]
+        del burst
+        gc.collect()
+        monkeypatch.setattr(memory.Buffer, "free", ctrl_c)
+        for _ in range(10 * TRIM_AFTER):
+            try:
+                m([x])
+            except KeyboardInterrupt:
+                break
+        assert memory.Buffer.free is real, "no trim ran"
+        gc.collect()
+        by_finalizer = [waits for finalizer, waits in frees if finalizer]
+        assert by_finalizer and all(by_finalizer), "a buffer was freed after nothing"
+        (y,) = m([x])
+        np.testing.assert_array_equal(y.to_host(), 2 * x)
+    s.close()
 
 
 def test_a_lost_count_of_let_go_buffers_costs_a_quarter_more_at_most(device):
