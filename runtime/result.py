@@ -250,11 +250,16 @@ class OutputPool:
         # would wait for that read though it writes another buffer); a later window takes it.
         idle = [b for b in idle if _readers_done(b, stream.key)]
         freed = idle[:len(buffers) - max(2, 2 * self.most)]
-        if freed:  # one pass, not a list.remove() each: a burst's pool frees thousands
-            gone = set(map(id, freed))
+        if freed:
+            # Consumers nobody could mark are waited for while the buffers are still in the
+            # pool: one an interrupt (Ctrl-C) takes out before its wait would be freed by its
+            # finalizer with no such wait.
+            for pooled in freed:
+                pooled.settle_exports(stream)
+            gone = set(map(id, freed))  # one pass, not a remove() each: a burst frees thousands
             # Out of the pool before any is freed, and the pool whole again (its turn too)
-            # before the first free: an interrupt (Ctrl-C) in between left a freed buffer
-            # listed as free, which the next execute wrote into, or a turn past the end.
+            # before the first free: an interrupt in between left a freed buffer listed as
+            # free, which the next execute wrote into, or a turn past the end.
             buffers[:] = [b for b in buffers if id(b) not in gone]
         self.turn = buffers.index(keep) + 1
         self.quiet = self.most = 0
@@ -262,7 +267,6 @@ class OutputPool:
             # free() orders the free after every use of the buffer (rule 8); its uses are kept
             # until then (prepare_write would clear them), so that one an interrupt leaves
             # unfreed is freed by its finalizer after them too.
-            pooled.settle_exports(stream)
             pooled.array.buffer.free(stream)
 
 

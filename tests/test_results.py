@@ -266,6 +266,83 @@ def test_a_buffer_a_ctrl_c_leaves_unfreed_in_a_trim_is_freed_after_its_uses(host
     s.close()
 
 
+def test_a_trim_cut_short_never_frees_a_buffer_read_on_an_unknown_stream_before_a_device_wait(
+        host, monkeypatch):
+    """Buffers handed to consumers on streams nobody could mark (DLPack stream=-1,
+    __cuda_array_interface__) need a device-wide wait before they are freed. The trim took
+    them out of the pool before that wait: a Ctrl-C in between (here at the line after) left
+    them to their finalizers, which free after their marked uses only."""
+    import inspect
+    import sys
+
+    from streamlane.runtime import result as result_module
+
+    m = scaler(shape=(16,)).method("forward", device=host)
+    x = rand((16,))
+    log = []
+    real_free, real_sync = type(host)._free_memory, type(host).synchronize
+
+    def free_memory(self, ptr, impl, stream_impl, after):
+        log.append(("free", ptr))
+        return real_free(self, ptr, impl, stream_impl, after)
+
+    def synchronize(self):
+        log.append(("sync", None))
+        return real_sync(self)
+
+    monkeypatch.setattr(type(host), "_free_memory", free_memory)
+    monkeypatch.setattr(type(host), "synchronize", synchronize)
+    code = result_module.OutputPool._check.__code__
+    lines = list(enumerate(inspect.getsourcelines(code)[0], code.co_firstlineno))
+    decided = next(i for i, line in lines if "freed = idle[" in line)
+    target = next(i for i, line in lines if "self.quiet = self.most = 0" in line)
+    armed, marks, blind = [], [], set()
+
+    def tracer(frame, event, arg):
+        if frame.f_code is not code:
+            return None
+
+        def line(f, e, a):
+            if e == "line" and f.f_lineno == decided and armed:
+                marks.append(len(log))  # the trim is choosing what it frees: which are blind
+                blind.clear()
+                blind.update(p.array.ptr for p in f.f_locals["self"].buffers if p.blind)
+            if e == "line" and f.f_lineno == target and armed:
+                armed.clear()
+                raise KeyboardInterrupt
+            return line
+        return line
+
+    s = host.create_stream()
+    with CallerStream(s):
+        held = [m([x])[0] for _ in range(100)]
+        for r in held:  # each read on a stream nobody could mark, then let go
+            r._holder.pooled.export_to(None)
+        del held, r
+        gc.collect()
+        armed.append(True)
+        sys.settrace(tracer)
+        try:
+            for _ in range(10 * TRIM_AFTER):
+                try:
+                    (r,) = m([x])
+                    r._holder.pooled.export_to(None)  # every output too
+                    del r
+                except KeyboardInterrupt:
+                    break
+        finally:
+            sys.settrace(None)
+        assert not armed, "no trim ran"
+        gc.collect()
+        events = log[marks[-1]:]  # from the trim that was cut short
+        first_sync = next((i for i, e in enumerate(events) if e[0] == "sync"), len(events))
+        early = [ptr for kind, ptr in events[:first_sync] if kind == "free" and ptr in blind]
+        assert blind and not early, f"{len(early)} freed before any device-wide wait"
+        (y,) = m([x])
+        np.testing.assert_array_equal(y.to_host(), 2 * x)
+    s.close()
+
+
 def test_a_lost_count_of_let_go_buffers_costs_a_quarter_more_at_most(device):
     """Results are let go on any thread, and the pool's count of them is a plain `+= 1`:
     two threads interleaving inside it lose one. Then the pool believes every buffer is still
