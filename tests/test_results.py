@@ -182,6 +182,17 @@ def test_a_failed_execute_leaves_the_buffer_it_grew_to_the_next_one(device, monk
     assert len(held) == 200
 
 
+def _until_interrupted(m, x, executes=10 * TRIM_AFTER):
+    """Execute ``m`` until a call is interrupted (a Ctrl-C injected into a trim); whether
+    one was."""
+    for _ in range(executes):
+        try:
+            m([x])
+        except KeyboardInterrupt:
+            return True
+    return False
+
+
 @pytest.mark.parametrize("burst", [100, 103])
 def test_a_ctrl_c_inside_a_trim_never_leaves_a_freed_buffer_in_the_pool(device, monkeypatch,
                                                                         burst):
@@ -207,12 +218,7 @@ def test_a_ctrl_c_inside_a_trim_never_leaves_a_freed_buffer_in_the_pool(device, 
         raise KeyboardInterrupt
 
     monkeypatch.setattr(memory.Buffer, "free", free_then_ctrl_c)
-    for _ in range(10 * TRIM_AFTER):
-        try:
-            m([x])
-        except KeyboardInterrupt:
-            break
-    assert interrupted, "no trim ran"
+    assert _until_interrupted(m, x) and interrupted, "no trim ran"
     assert not any(p.array.buffer.freed for p in m._pools[0].buffers)
     held = [m([x * i]) for i in range(5)]  # a search over more than two buffers
     for i, (y,) in enumerate(held):
@@ -252,12 +258,7 @@ def test_a_buffer_a_ctrl_c_leaves_unfreed_in_a_trim_is_freed_after_its_uses(host
         del burst
         gc.collect()
         monkeypatch.setattr(memory.Buffer, "free", ctrl_c)
-        for _ in range(10 * TRIM_AFTER):
-            try:
-                m([x])
-            except KeyboardInterrupt:
-                break
-        assert memory.Buffer.free is real, "no trim ran"
+        assert _until_interrupted(m, x) and memory.Buffer.free is real, "no trim ran"
         gc.collect()
         by_finalizer = [waits for finalizer, waits in frees if finalizer]
         assert by_finalizer and all(by_finalizer), "a buffer was freed after nothing"
