@@ -148,18 +148,20 @@ HOST_CHUNK = 1 << 20
 
 
 def by_blocks(fn: Callable[..., np.ndarray], ins: Sequence[np.ndarray], out: np.ndarray,
-              row: int = 1) -> None:
+              row: int = 1, reduce: bool = False) -> None:
     """``out[...] = fn(*ins)``, computed over blocks of whole rows of ``row`` elements (1: any
-    elementwise ``fn``) of about ``HOST_CHUNK`` elements. ``ins`` have ``out``'s size, and
-    ``out`` may be one of them (each block is read before it is written)."""
-    n = out.size
-    arrays = (out, *ins)
-    if n <= HOST_CHUNK or row <= 0 or n % row or \
-            not all(a.flags.c_contiguous and a.size == n for a in arrays):
+    elementwise ``fn``) of about ``HOST_CHUNK`` elements. ``out`` has the size of ``ins``
+    (it may be one of them: each block is read before it is written), or with ``reduce`` one
+    element per row (``fn`` drops the last axis)."""
+    n = ins[0].size
+    rows = n // row if row > 0 else 0
+    if n <= HOST_CHUNK or rows * row != n or out.size != (rows if reduce else n) or \
+            not out.flags.c_contiguous or \
+            not all(a.flags.c_contiguous and a.size == n for a in ins):
         out[...] = fn(*ins)
         return
-    rows = n // row
-    flat_out, *flat_ins = (a.reshape(rows, row) for a in arrays)
+    flat_out = out.reshape(rows) if reduce else out.reshape(rows, row)
+    flat_ins = [a.reshape(rows, row) for a in ins]
     step = max(1, HOST_CHUNK // row)
     for r in range(0, rows, step):
         flat_out[r:r + step] = fn(*(a[r:r + step] for a in flat_ins))

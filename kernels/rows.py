@@ -21,7 +21,6 @@ import numpy as np
 
 from ._common import (
     BLOCK_REDUCE_CUDA,
-    HOST_CHUNK,
     ROW_EACH_CUDA,
     by_blocks,
     check_ins,
@@ -192,17 +191,9 @@ def _layernorm_host(ins: Sequence[np.ndarray], outs: Sequence[np.ndarray],
 
 def _reduce_sum_host(ins: Sequence[np.ndarray], outs: Sequence[np.ndarray],
                      p: Mapping[str, Any]) -> None:
-    x, out = ins[0], outs[0]
-    cols = x.shape[-1]
-    rows = x.size // cols
-    if x.size <= HOST_CHUNK or not (x.flags.c_contiguous and out.flags.c_contiguous):
-        out[...] = _reduce_sum(x, out.shape)
-        return
     # the float64 sums of short rows are a temporary as large as the tensor: by blocks
-    x2, o = x.reshape(rows, cols), out.reshape(rows)
-    step = max(1, HOST_CHUNK // cols)
-    for r in range(0, rows, step):
-        o[r:r + step] = x2[r:r + step].sum(axis=-1, dtype=np.float64)
+    by_blocks(lambda x: x.sum(axis=-1, dtype=np.float64), ins, outs[0], row=ins[0].shape[-1],
+              reduce=True)
 
 
 SOFTMAX = KernelSpec(
