@@ -626,16 +626,16 @@ def _manifest_file(path: Path) -> Path:
     """The file a manifest path names: a symlink's target (its constants lie beside that)."""
     if not path.is_symlink():
         return path
+    loop = f"a manifest path, not a symlink loop at {path}"
+    try:  # resolve() does not tell a loop on Python 3.13 (it gives the path back as it is)
+        os.stat(path)
+    except OSError as exc:  # a dangling link is fine: the save makes its target
+        if exc.errno == errno.ELOOP:
+            raise InvalidProgram("", loop, exc.strerror) from None
     try:
-        os.stat(path)  # a loop: ELOOP (a dangling link is fine: the save makes its target)
         return path.resolve(strict=False)
-    except OSError as exc:
-        if exc.errno != errno.ELOOP:
-            return path.resolve(strict=False)
-        why = exc.strerror
-    except RuntimeError as exc:  # resolve() on a symlink loop, Python 3.11-3.12 (3.13 gives
-        why = str(exc)          # the path back as it is)
-    raise InvalidProgram("", f"a manifest path, not a symlink loop at {path}", why) from None
+    except RuntimeError as exc:  # a loop made since the stat, Python 3.11-3.12
+        raise InvalidProgram("", loop, str(exc)) from None
 
 
 def make_folders(folder: Path, named: str | os.PathLike[str]) -> None:

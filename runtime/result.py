@@ -64,6 +64,9 @@ def mark_release(buffer: Buffer, consumer: Stream, blind: Callable[[], None] | N
             raise
 
 
+_NO_POOL = [0]  # the let-go count of a PooledBuffer no pool has taken in (yet)
+
+
 class PooledBuffer:
     """One output buffer of a method, with what a writer must wait for before reusing it."""
 
@@ -73,8 +76,8 @@ class PooledBuffer:
     def __init__(self, array: DeviceArray, event: Event):
         self.array = array
         # Its pool's count of buffers let go (OutputPool.let_go): one list shared by the pool's
-        # buffers, so that no buffer refers back to its pool.
-        self.lets_go: list[int] = [0]
+        # buffers, so that no buffer refers back to its pool (set by the pool that grows it).
+        self.lets_go = _NO_POOL
         # Recorded after each execute that writes the buffer and reads no Result (methods of
         # one output), and reused: while a Result holds the buffer the writer takes another
         # one, so a live Result's event never moves. What else kept the event (the method's

@@ -165,6 +165,14 @@ def _warn_unclosed() -> None:
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+def _count(name: str, value: Any, low: int) -> int:
+    """A ``Scheduler`` count: an int >= ``low``, numpy's too, else ``InvalidArgument``."""
+    number = int_in(value, low)
+    if number is None:
+        raise InvalidArgument(f"Scheduler: {name} must be an int >= {low}, got {value!r}")
+    return number
+
+
 def _seconds(name: str, us: Any) -> float:
     """A ``Scheduler`` wait given in microseconds, in seconds: any real number in [0, 1e6],
     numpy's too (``np.int64(2)`` was refused), else ``InvalidArgument``."""
@@ -243,14 +251,8 @@ class Scheduler:
                  queue_size: int = 1024, timing: bool = True, spin_us: float = 0.0,
                  poll_us: float = 50.0, inline: bool = True, timeline_size: int = 100_000):
         self.device: Device = device if isinstance(device, Device) else get_device(device)
-        checked = []
-        for name, value, low in (("lanes", lanes, 1), ("queue_size", queue_size, 1),
-                                 ("timeline_size", timeline_size, 0)):
-            number = int_in(value, low)
-            if number is None:
-                raise InvalidArgument(f"Scheduler: {name} must be an int >= {low}, got {value!r}")
-            checked.append(number)
-        lanes, queue_size, timeline_size = checked
+        lanes, queue_size = _count("lanes", lanes, 1), _count("queue_size", queue_size, 1)
+        timeline_size = _count("timeline_size", timeline_size, 0)
         if lanes > MAX_LANES:  # two threads each: 10**6 lanes took minutes before any error
             raise InvalidArgument(f"Scheduler: lanes must be at most {MAX_LANES} (each is two "
                                   f"host threads), got {lanes}; for wide overlap give jobs "
