@@ -15,9 +15,10 @@ from .errors import (
     StreamlaneError,
 )
 from .event import Event
+from .host import HostDevice
 from .memory import Buffer, DeviceArray
 from .method import Method
-from .program import Program, ProgramBuilder
+from .program import MethodBuilder, Program, ProgramBuilder
 from .result import Result
 from .stream import CallerStream, Stream, current_stream
 
@@ -28,12 +29,14 @@ __all__ = [
     "DeviceArray",
     "DeviceError",
     "Event",
+    "HostDevice",
     "InvalidArgument",
     "InvalidInput",
     "InvalidProgram",
     "InvalidState",
     "Latch",
     "Method",
+    "MethodBuilder",
     "NotSupported",
     "Program",
     "ProgramBuilder",

@@ -245,6 +245,7 @@ class _PerThreadStream:
         self.stream = stream
 
     def __del__(self) -> None:
+        self.stream._thread_ended()
         if _context_lost:
             return  # after a kernel fault nothing runs on it any more: nothing to drain
         try:

@@ -14,7 +14,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import numpy as np
 
@@ -32,6 +32,9 @@ from .errors import InvalidArgument
 from .event import Event
 from .memory import Buffer, DeviceArray
 from .stream import FOREIGN, LEGACY_HANDLE, OWNED, PER_THREAD_HANDLE, Stream, foreign_stream_handle
+
+if TYPE_CHECKING:
+    from .host import HostDevice
 
 __all__ = ["Device", "DeviceStats", "Latch", "PreparedLaunch", "get_device"]
 
@@ -168,6 +171,7 @@ class Device(ABC):
         return False
 
     def create_event(self, *, timing: bool = False) -> Event:
+        """A new event to ``record`` on a stream; ``timing=True`` for ``elapsed_ms``."""
         if not isinstance(timing, bool):  # "no" would make a timing event (rule 5's spirit)
             raise InvalidArgument(f"create_event(timing=...) takes True or False, got "
                                   f"{type(timing).__name__} {timing!r}")
@@ -477,8 +481,12 @@ class Latch:
         self._prepared.run(stream, (), ())
 
     def release(self) -> None:
+        """Let every stream it holds go on (idempotent)."""
         self.released = True
         self._impl.release()
+
+    def __repr__(self) -> str:
+        return f"<Latch {self.device.name} {'released' if self.released else 'holding'}>"
 
     def __enter__(self) -> Latch:
         return self
@@ -591,6 +599,12 @@ def is_auto(name: object) -> bool:
     """Whether ``name`` asks for the automatic choice (case and spaces ignored, as for every
     device name)."""
     return isinstance(name, str) and name.strip().lower() == "auto"
+
+
+@overload
+def get_device(name: Literal["host"]) -> HostDevice: ...
+@overload
+def get_device(name: str | None = None) -> Device: ...
 
 
 def get_device(name: str | None = None) -> Device:

@@ -121,10 +121,11 @@ class _ThreadStream:
 
     def __init__(self, stream: Stream, worker: _Worker):
         self.stream = stream
-        weakref.finalize(self, _drain, worker)
+        weakref.finalize(self, _drain, worker, stream)
 
 
-def _drain(worker: _Worker) -> None:
+def _drain(worker: _Worker, stream: Stream) -> None:
+    stream._thread_ended()
     worker.stop()
     # Its own event, not Thread.join(): this runs as the thread is torn down, where join()'s
     # current_thread() would register a dummy thread that stays in threading.enumerate().
@@ -259,11 +260,12 @@ class HostDevice(Device):
         for w in workers:
             if w.thread is me:  # called from a step running on this stream: not behind itself
                 continue
-            if w.stopped:  # a closed stream, an ended thread's: it ends once drained
-                ending.append(w.thread)
-                continue
             m = _Marker()
-            w.put(m.reach)
+            try:
+                w.put(m.reach)
+            except StreamClosed:  # a closed stream, an ended thread's (perhaps since the list
+                ending.append(w.thread)  # was taken): it ends once drained
+                continue
             markers.append(m)
         for m in markers:
             self._wait_marker(m)

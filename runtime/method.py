@@ -136,8 +136,8 @@ class Method:
 
     def _set_inputs(self, values: Sequence[Any]) -> None:
         """``set_inputs`` with the guard held."""
-        if not isinstance(values, (list, tuple)):
-            raise InvalidInput(self.name, None, "a list of inputs", type(values).__name__)
+        if type(values) is not list and type(values) is not tuple:
+            values = self._listed(values)
         if len(values) != len(self._input_decls):
             raise InvalidInput(self.name, None, f"{len(self._input_decls)} inputs",
                                len(values))
@@ -146,6 +146,13 @@ class Method:
         accepted = [self._accept(i, v) for i, v in enumerate(values)]
         self._inputs = accepted
         self._inputs_valid = True
+
+    def _listed(self, values: Any) -> list[Any]:
+        """The inputs given as another sequence than a list or a tuple, as a list (a str, bytes
+        or an array is not a sequence of inputs)."""
+        if not isinstance(values, Sequence) or isinstance(values, (str, bytes, bytearray)):
+            raise InvalidInput(self.name, None, "a list of inputs", type(values).__name__)
+        return list(values)
 
     def check_inputs(self, values: Sequence[Any], *,
                      unchecked: type | tuple[type, ...] = ()) -> list[Any]:
@@ -162,8 +169,8 @@ class Method:
         execute changes, so it may run on any thread."""
         if not isinstance(unchecked, type):
             unchecked = _types(unchecked)
-        if not isinstance(values, (list, tuple)):
-            raise InvalidInput(self.name, None, "a list of inputs", type(values).__name__)
+        if type(values) is not list and type(values) is not tuple:
+            values = self._listed(values)
         if len(values) != len(self._input_decls):
             raise InvalidInput(self.name, None, f"{len(self._input_decls)} inputs",
                                len(values))
@@ -250,7 +257,8 @@ class Method:
     def _scalar(self, index: int, value: Any, decl: Any, want: np.dtype) -> np.ndarray:
         if decl.shape != ():
             raise InvalidInput(self.name, index, f"{decl.dtype}{list(decl.shape)}",
-                               f"a Python number {shown(value)}")
+                               f"a {'Python' if type(value).__module__ == 'builtins' else 'scalar'}"
+                               f" number {shown(value)}")
         kind = want.kind
         ok = (kind == "b" and isinstance(value, (bool, np.bool_))) or \
              (kind in "iu" and isinstance(value, (int, np.integer))
@@ -497,6 +505,15 @@ class Method:
 
     def get_outputs(self) -> list[Result]:
         """The outputs of the last execute (Results; no copy, no host wait)."""
+        if not self._guard.acquire(blocking=False):  # mid-call on another thread, they change
+            raise _busy(self, "get_outputs")
+        try:
+            return self._get_outputs()
+        finally:
+            self._guard.release()
+
+    def _get_outputs(self) -> list[Result]:
+        """``get_outputs`` with the guard held."""
         if self._outputs is None:
             raise InvalidState(f"{self.name}: no outputs to get; call execute() after "
                                f"set_inputs() first")
@@ -528,7 +545,7 @@ class Method:
         try:
             self._set_inputs(values)
             self._execute(start)
-            return self.get_outputs()
+            return self._get_outputs()
         finally:
             self._guard.release()
 
@@ -593,9 +610,10 @@ def _check_start(method: Method, start: object, what: str) -> None:
 def _busy(method: Method, what: str) -> MethodBusy:
     """Refuse a second thread instead of running unordered (rule 4)."""
     return MethodBusy(
-        f"{method.name}: {what}() called while another thread is using this method; drive one "
-        f"method from one thread at a time (hold a lock around set_inputs/execute/get_outputs, "
-        f"or give each thread its own method)")
+        f"{method.name}: {what}() called while the method is in use: by another thread, or by "
+        f"a call of it this one comes from (an input's __array__ or a callable step calling "
+        f"back into it); drive one method from one thread at a time (hold a lock around "
+        f"set_inputs/execute/get_outputs, or give each thread its own method)")
 
 
 def _contiguous_strides(shape: tuple[int, ...], dtype: np.dtype) -> tuple[int, ...]:

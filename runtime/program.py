@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import inspect
 import json
+import lzma
 import math
 import os
 import re
@@ -21,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, SupportsIndex
 
 import numpy as np
 from numpy.lib import format as npy_format
@@ -35,8 +36,9 @@ from .errors import InvalidArgument, InvalidProgram, NotSupported
 if TYPE_CHECKING:
     from .device import Device
     from .method import Method
+    from .stream import Stream
 
-__all__ = ["MethodDef", "Program", "ProgramBuilder", "StepDef", "TensorDecl"]
+__all__ = ["MethodBuilder", "MethodDef", "Program", "ProgramBuilder", "StepDef", "TensorDecl"]
 
 FORMAT = 1
 MAX_TENSOR_BYTES = 4 << 30  # one tensor
@@ -47,7 +49,15 @@ MAX_DIM = (1 << 31) - 1
 MAX_RANK = 8
 MAX_DEVICE_INDEX = 1024
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]{0,127}")  # fullmatch: "x\n" is not a name
-StepFn = Callable[..., None]
+# A callable step: fn(stream, ins, outs) enqueues its work on the stream it is handed (the
+# execute's resolved stream); ins and outs are its device arrays. What it returns is ignored
+# (an awaitable is refused: it would never run).
+StepFn = Callable[["Stream", list[Any], list[Any]], object]
+# A tensor given to the builder: (dtype, shape), numpy's dtypes and integers allowed.
+DTypeArg = str | np.dtype[Any] | type[np.generic]
+ShapeArg = Sequence[SupportsIndex] | np.ndarray
+# What open() takes as a file's name (bytes in the file system's encoding).
+FilePath = str | bytes | os.PathLike[str] | os.PathLike[bytes]
 
 
 @dataclass(frozen=True)
@@ -102,6 +112,13 @@ class Program:
     ``Program.build(name)``; bind a method to a device with ``program.method(name, device=...)``.
     """
 
+    name: str
+    methods: Mapping[str, MethodDef]  # read-only views, in the order the program gives them
+    constants: Mapping[str, np.ndarray]
+    callables: Mapping[str, StepFn]
+    device_index: int | None
+    constants_file: str | None  # the .npz the manifest named, when loaded from a file
+
     def __init__(self, name: str, methods: Mapping[str, MethodDef],
                  constants: Mapping[str, np.ndarray], callables: Mapping[str, StepFn],
                  device_index: int | None = None, constants_file: str | None = None):
@@ -125,14 +142,9 @@ class Program:
 
     # -- construction ---------------------------------------------------------------------
     @classmethod
-    def load(cls, path: str | Path) -> Program:
+    def load(cls, path: FilePath) -> Program:
         """Read a format-1 program: the JSON manifest at ``path`` and its sibling ``.npz``."""
-        if not isinstance(path, (str, os.PathLike)):
-            raise InvalidArgument(f"Program.load takes a path (str or os.PathLike), got "
-                                  f"{type(path).__name__}")
-        text = os.fspath(path)
-        if not isinstance(text, str):
-            raise InvalidArgument(f"Program.load takes a str path, got {type(text).__name__}")
+        text = path_text(path, "Program.load")
         if not text:  # Path("") is ".", which would be reported as "at ."
             raise InvalidArgument("Program.load: the path is empty")
         if "\0" in text:
@@ -181,6 +193,8 @@ class Program:
 
     # -- persistence ------------------------------------------------------------------------
     def to_manifest(self) -> dict[str, Any]:
+        """The program as a format-1 manifest (a JSON-ready dict; ``save`` writes it with the
+        constants beside it)."""
         doc: dict[str, Any] = {"format": FORMAT, "name": self.name}
         if self.device_index is not None:
             doc["device_index"] = self.device_index
@@ -192,7 +206,7 @@ class Program:
         doc["methods"] = {k: m.to_json() for k, m in self.methods.items()}
         return doc
 
-    def save(self, path: str | Path) -> None:
+    def save(self, path: FilePath) -> None:
         """Write the manifest to ``path`` and the constants beside it: ``encoder.json`` →
         ``encoder.npz``; a name not ending in ``.json`` gets ``.npz`` appended (``model.v1`` →
         ``model.v1.npz``). The manifest records the constants file's name.
@@ -304,10 +318,12 @@ class ProgramBuilder:
         self._callables: dict[str, StepFn] = {}
 
     def constant(self, name: str, value: Any) -> str:
+        """Add a constant tensor (an array, copied as it is now); returns its name, for steps.
+        Checked with the rest of the program in ``finish()``."""
         self._constants[name] = as_host_array(value, f"constant {name!r}")
         return name
 
-    def method(self, name: str, **inputs: tuple[str, Sequence[int]]) -> MethodBuilder:
+    def method(self, name: str, /, **inputs: tuple[DTypeArg, ShapeArg]) -> MethodBuilder:
         """Start method ``name`` with inputs given as ``name=(dtype, shape)``, in order."""
         if name in self._methods:  # as a manifest naming it twice is refused
             raise InvalidProgram(member_path("methods", name), "a method name not used yet in "
@@ -316,6 +332,7 @@ class ProgramBuilder:
         return mb
 
     def finish(self) -> Program:
+        """Validate the program as ``Program.load`` validates a file, and return it."""
         doc = {"format": FORMAT, "name": self.name,
                "methods": {k: m._json() for k, m in self._methods.items()}}
         if self._constants:
@@ -324,8 +341,11 @@ class ProgramBuilder:
 
 
 class MethodBuilder:
+    """One method of a ``ProgramBuilder`` (``builder.method(name, x=(dtype, shape), ...)``):
+    ``step`` adds a kernel step, ``call`` a callable step, ``output`` names the outputs."""
+
     def __init__(self, parent: ProgramBuilder, name: str,
-                 inputs: Mapping[str, tuple[str, Sequence[int]]]):
+                 inputs: Mapping[str, tuple[DTypeArg, ShapeArg]]):
         self._parent = parent
         self.name = name
         self._inputs = []
@@ -408,7 +428,7 @@ class MethodBuilder:
         return outs[0] if outs else ""
 
     def call(self, fn: StepFn, ins: Sequence[str],
-             outs: Sequence[tuple[str, str, Sequence[int]]],
+             outs: Sequence[tuple[str, DTypeArg, ShapeArg]],
              name: str | None = None) -> tuple[str, ...]:
         """Append a callable step: ``fn(stream, ins, outs)`` enqueues its work on ``stream``
         (device arrays in, device arrays out). Returns the names of the buffers it writes, in
@@ -585,12 +605,7 @@ def _constants_path(manifest: Path) -> Path:
 
 def _save_path(path: Any) -> Path:
     """``save``'s manifest path, checked before anything is written (a symlink: its target)."""
-    if not isinstance(path, (str, os.PathLike)):
-        raise InvalidArgument(f"Program.save takes a path (str or os.PathLike), got "
-                              f"{type(path).__name__}")
-    text = os.fspath(path)
-    if not isinstance(text, str):
-        raise InvalidArgument(f"Program.save takes a str path, got {type(text).__name__}")
+    text = path_text(path, "Program.save")
     if "\0" in text:
         raise InvalidArgument(f"save({text!r}): a path cannot hold a NUL character")
     if _names_folder(text):  # Path() would drop the "/" and write a file of the folder's name
@@ -615,6 +630,23 @@ def _save_path(path: Any) -> Path:
                               f"constants, say), which a manifest would overwrite; choose "
                               f"another manifest name")
     return target
+
+
+def path_text(path: object, what: str) -> str:
+    """A file path as text, as ``open()`` takes it: str, bytes (in the file system's encoding)
+    or os.PathLike giving either; anything else is an ``InvalidArgument``."""
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        raise InvalidArgument(f"{what} takes a file path, got {type(path).__name__}: a path "
+                              f"is a str, bytes or an os.PathLike")
+    try:
+        text = os.fsdecode(os.fspath(path))
+        os.fsencode(text)  # a lone surrogate ("\ud800") names no file: open() would raise
+    except TypeError as exc:  # a PathLike whose __fspath__ returns something else
+        raise InvalidArgument(f"{what} takes a file path: {exc}") from None
+    except UnicodeEncodeError:
+        raise InvalidArgument(f"{what}: the path {text!r} cannot be encoded for the file "
+                              f"system (a lone surrogate?)") from None
+    return text
 
 
 def _names_folder(text: str) -> bool:
@@ -709,15 +741,25 @@ def _constants_named(manifest: Path) -> Any:
 
 def _plain_file_name(name: str) -> bool:
     """A file name beside the manifest: not empty, at most 255 bytes of UTF-8, no path
-    separator, no control character (NUL, newline, ...), no leading dot (nothing hidden, no
-    ``..``)."""
+    separator, no control character (NUL, newline, ...), line or paragraph separator or
+    bidirectional control (a name shown in a message must read as what it is: U+202E turns
+    the rest of a line around), no leading dot (nothing hidden, no ``..``)."""
     try:
         size = len(name.encode("utf-8"))
     except UnicodeEncodeError:  # a lone surrogate
         return False
     return (0 < size <= 255 and not name.startswith(".") and "/" not in name
             and "\\" not in name
-            and not any(unicodedata.category(c) == "Cc" for c in name))
+            and not any(c in _BIDI_CONTROLS or unicodedata.category(c) in ("Cc", "Zl", "Zp")
+                        for c in name))
+
+
+_BIDI_CONTROLS = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e"
+                           "\u2066\u2067\u2068\u2069")
+# Members as numpy writes them (savez: stored; savez_compressed: deflate). zipfile inflates a
+# bzip2 or LZMA member a whole compressed block at a time before cutting it to the declared
+# size: 3 KB of bzip2 declaring 192 bytes took 8 GiB and 45 s to open.
+_COMPRESSIONS = {zipfile.ZIP_STORED: "stored", zipfile.ZIP_DEFLATED: "deflate"}
 
 
 def _read_npz(folder: Path, name: str, headers_only: bool = False) -> dict[str, np.ndarray]:
@@ -736,13 +778,14 @@ def _read_npz(folder: Path, name: str, headers_only: bool = False) -> dict[str, 
     except InvalidProgram:
         raise
     except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile, zlib.error,
-            NotImplementedError, RuntimeError, SyntaxError, tokenize.TokenError) as exc:
+            lzma.LZMAError, NotImplementedError, RuntimeError, SyntaxError,
+            tokenize.TokenError) as exc:
         # NotImplemented: compression method; RuntimeError: an encrypted member; SyntaxError,
         # TokenError: a damaged .npy header (numpy reads it with ast.literal_eval)
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else \
             f"{type(exc).__name__}: {exc}"  # strerror: without a file descriptor's number
-        raise InvalidProgram("constants", f"a readable .npz file {name} (at "
-                             f"{os.path.abspath(path)})",
+        raise InvalidProgram("constants", f"a readable .npz file {name!r} (at "
+                             f"{os.path.abspath(path)!r})",
                              why) from None
 
 
@@ -767,7 +810,7 @@ def _check_regular(fd: int, name: str) -> None:
     """Raise unless ``fd`` is a regular file within the size limit."""
     info = os.fstat(fd)
     if not stat.S_ISREG(info.st_mode):
-        raise InvalidProgram("constants", f"a regular .npz file ({name})",
+        raise InvalidProgram("constants", f"a regular .npz file ({name!r})",
                              "a directory" if stat.S_ISDIR(info.st_mode) else
                              "a device, pipe or socket")
     if info.st_size > MAX_CONSTANTS_BYTES:
@@ -786,8 +829,13 @@ def _read_members(f: Any, name: str, headers_only: bool) -> dict[str, np.ndarray
         for info in members:
             key = info.filename[:-4] if info.filename.endswith(".npy") else ""
             if not key or key in arrays:
-                raise InvalidProgram("constants", f"an .npz of distinct .npy members ({name})",
+                raise InvalidProgram("constants", f"an .npz of distinct .npy members ({name!r})",
                                      info.filename)
+            if info.compress_type not in _COMPRESSIONS:
+                raise InvalidProgram(f"constants[{_key(key)!r}]", f"a readable .npz file "
+                                     f"{name!r}: its members stored or deflated (as numpy's "
+                                     f"savez and savez_compressed write them)",
+                                     f"compression method {info.compress_type}")
             with zf.open(info) as member:
                 arrays[key] = _read_npy(member, info.file_size, key, name, headers_only)
     return arrays
@@ -804,10 +852,14 @@ def _read_npy(member: Any, size: int, key: str, name: str, headers_only: bool) -
         raise InvalidProgram(where, "an .npy member of format 1.0 or 2.0", f"format {version}")
     if dtype.hasobject:
         raise InvalidProgram(where, "a numeric array", str(dtype))
+    if dtype.subdtype is not None:  # ('<f4', (2,)): numpy itself cannot read it back
+        raise InvalidProgram(where, "an array of a plain dtype", str(dtype))
+    if any(type(n) is not int for n in shape):  # numpy's header reader takes (4, True)
+        raise InvalidProgram(where, f"a shape of ints in {name!r}", repr(shape))
     data = size - member.tell()
     if math.prod(shape) * dtype.itemsize != data:
         raise InvalidProgram(where, f"as many data bytes as its header's {dtype}{list(shape)} "
-                             f"in {name}", data)
+                             f"in {name!r}", data)
     if headers_only:  # in the byte order the data will have once loaded (native)
         return np.broadcast_to(np.zeros((), dtype.newbyteorder("=")), shape)
     member.seek(0)
@@ -980,10 +1032,12 @@ class _Validator:
         steps = []
         for i, sdoc in enumerate(steps_doc):
             steps.append(self._step(f"{base}.steps[{i}]", sdoc, tensors, written))
-        for i, t in enumerate(groups["outputs"]):
-            if t.name not in written:
-                raise InvalidProgram(f"{base}.outputs[{i}].name",
-                                     "an output that some step writes", t.name)
+        for group in ("buffers", "outputs"):  # a buffer nothing writes is never read either
+            for i, t in enumerate(groups[group]):  # (_step): memory it would hold for nothing
+                if t.name not in written:
+                    raise InvalidProgram(f"{base}.{group}[{i}].name",
+                                         f"{'a buffer' if group == 'buffers' else 'an output'} "
+                                         f"that some step writes", t.name)
         return MethodDef(mname, groups["inputs"], groups["buffers"], tuple(steps),
                          groups["outputs"])
 

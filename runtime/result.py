@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from .device import Device
     from .event import Event
 
-__all__ = ["OutputPool", "PooledBuffer", "Result"]
+__all__ = ["Result"]  # OutputPool and PooledBuffer are the runtime's own
 
 TRIM_AFTER = 64  # the shortest window (executes) after which a pool frees idle extra buffers
 _CHECK_EVERY = 8  # how often (in executes) a pool of more than two counts its held buffers
@@ -321,22 +321,27 @@ class Result:
     # -- description ----------------------------------------------------------------------
     @property
     def shape(self) -> tuple[int, ...]:
+        """The output's shape, as the method declares it."""
         return self.array.shape
 
     @property
     def dtype(self) -> np.dtype:
+        """The numpy dtype (bfloat16 is ml_dtypes')."""
         return self.array.dtype
 
     @property
     def dtype_name(self) -> str:
+        """The dtype as a manifest names it: ``"float32"``, ``"bfloat16"``, ..."""
         return dtype_name(self.array.dtype)
 
     @property
     def device(self) -> Device:
+        """The device whose memory holds it."""
         return self.array.buffer.device
 
     @property
     def nbytes(self) -> int:
+        """Its size in bytes."""
         return self.array.nbytes
 
     def ready(self) -> bool:

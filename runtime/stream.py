@@ -77,6 +77,11 @@ class Stream(ProcessLocal):
     # -- checks shared by every operation ---------------------------------------------------
     def _usable(self) -> Any:
         if self._closed:
+            if self.kind == PER_THREAD:
+                raise StreamClosed(f"{self!r} is the per-thread stream of a thread that has "
+                                   f"ended (another thread may now have its id); use this "
+                                   f"thread's own (device.per_thread_stream()) or share a "
+                                   f"created stream (device.create_stream()) between threads")
             raise StreamClosed(f"{self!r} is closed; create a new stream with "
                                f"device.create_stream()")
         if self.owner_thread is not None and self.owner_thread != threading.get_ident():
@@ -141,9 +146,16 @@ class Stream(ProcessLocal):
         if self._finalizer is not None:
             self._finalizer()  # runs once, whoever calls it
 
+    def _thread_ended(self) -> None:
+        """A per-thread stream's thread is ending (its thread-local holder is dropped): the
+        stream is gone with it, and a new thread that gets the same id must not take this
+        object for its own (``_usable``'s owner check compares ids)."""
+        self._closed = True
+
     @property
     def closed(self) -> bool:
-        """True once ``close()`` was called (a pinned stream is destroyed at its last unpin)."""
+        """True once ``close()`` was called (a pinned stream is destroyed at its last unpin),
+        or, for a per-thread stream, once its thread has ended."""
         return self._closed or self._close_pending
 
     def pin(self, token: object = None) -> None:
@@ -235,6 +247,9 @@ class CallerStream:
                 f"CallerStream expects a streamlane Stream, an object with __cuda_stream__, or "
                 f"None (legacy default stream); got {type(stream).__name__}")
         self.stream = _LEGACY if stream is None else stream
+
+    def __repr__(self) -> str:
+        return f"CallerStream({None if self.stream is _LEGACY else self.stream!r})"
 
     # The thread's stack holds the guards themselves (not a depth kept on the guard), so one
     # guard object may be entered again, nested or on several threads at once.

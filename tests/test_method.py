@@ -18,6 +18,7 @@ from streamlane.runtime.errors import (
     InvalidInput,
     InvalidProgram,
     InvalidState,
+    MethodBusy,
     NotSupported,
 )
 from streamlane.runtime.reference import run_reference
@@ -542,9 +543,32 @@ def test_concurrent_execute_from_two_threads_is_refused(host):
         m.execute()
     with pytest.raises(InvalidState, match="another thread"):
         m.set_inputs([x])
+    # get_outputs() took no guard: "no outputs to get; call execute()", or, depending on
+    # timing, the outputs of the other thread's call (README: each call is held the same way)
+    with pytest.raises(MethodBusy, match=r"get_outputs.*in use.*another thread"):
+        m.get_outputs()
     go_on.set()
     t.join(5)
     check(p, [x], m.get_outputs())
+
+
+def test_a_method_called_from_within_its_own_call_is_told_so(host):
+    """An input's ``__array__`` calling the method back on the same thread was refused as
+    "while another thread is using this method"."""
+    p = mlp()
+    m = p.method("forward", device=host)
+    x = x_for(p)
+    seen = []
+
+    class Reentrant:
+        def __array__(self, dtype=None, copy=None):
+            with pytest.raises(MethodBusy, match="a call of it this one comes from") as info:
+                m([x])
+            seen.append(info.value)
+            return x
+
+    check(p, [x], m([Reentrant()]))
+    assert len(seen) == 1
 
 
 def test_calls_a_thread_pool_hands_over_in_order_are_never_refused(device):
@@ -1373,3 +1397,19 @@ def test_a_second_ctrl_c_in_a_failed_execute_leaves_the_next_execute_ordered(hos
         np.testing.assert_array_equal(y.to_host(), 6 * x)
     s.close()
     t.close()
+
+
+def test_inputs_come_in_any_sequence_but_a_str_or_an_array(host):
+    """``Method`` took only a list or a tuple (``UserList`` refused as "expected a list of
+    inputs") while ``Scheduler.submit`` and the annotation (``Sequence``) took any sequence."""
+    from collections import UserList
+
+    p = mlp()
+    m = p.method("forward", device=host)
+    x = x_for(p)
+    check(p, [x], m(UserList([x])))
+    m.set_inputs(UserList([x]))
+    assert len(m.check_inputs(UserList([x]))) == 1
+    for bad in ("x", b"x", x, {0: x}):
+        with pytest.raises(InvalidInput, match="a list of inputs"):
+            m(bad)

@@ -826,6 +826,76 @@ def test_a_lying_or_damaged_constants_file_is_invalid_program_before_any_allocat
             Program.load(path)
 
 
+def _raw_npy(header: str, data: bytes) -> bytes:
+    """An .npy member with the header dict written as given (numpy's writer checks it)."""
+    import struct
+
+    text = header.encode("latin1")
+    text += b" " * (-(len(text) + 11) % 64) + b"\n"
+    return b"\x93NUMPY\x01\x00" + struct.pack("<H", len(text)) + text + data
+
+
+def test_hostile_constants_headers_and_compressions_are_invalid_program(tmp_path):
+    """From a security review of untrusted files: a bool in an .npy header's shape (numpy's
+    reader takes ``(4, True)``) crashed the load with TypeError; a damaged LZMA member with
+    ``LZMAError``; a subarray dtype was described as another shape; and a bzip2 member
+    declaring 192 bytes inflated whole blocks before zipfile cut them to size (3 KB took
+    8 GiB and 45 s, before the manifest was even checked)."""
+    import bz2
+    import time
+    import zipfile
+
+    headers = {
+        "a bool in the shape": _raw_npy("{'descr': '<f4', 'fortran_order': False, "
+                                        "'shape': (16, True), }", W[:, :1].tobytes()),
+        "only bools": _raw_npy("{'descr': '<f4', 'fortran_order': False, "
+                               "'shape': (True, True), }", bytes(4)),
+        "a subarray dtype": _raw_npy("{'descr': ('<f4', (16,)), 'fortran_order': False, "
+                                     "'shape': (16,), }", W.tobytes()),
+    }
+    for label, member in headers.items():
+        with pytest.raises(InvalidProgram) as info:
+            Program.load(_npz_with(tmp_path, {"w1.npy": member}))
+        assert info.value.path == "constants['w1']", (label, info.value)
+    for compression in (zipfile.ZIP_LZMA, zipfile.ZIP_BZIP2):
+        path = _npz_with(tmp_path, {"w1.npy": _npy(W)}, compression)
+        with pytest.raises(InvalidProgram, match="stored or deflated"):
+            Program.load(path)
+    # The bomb: a real member's header and size, followed by 256 MiB of zeros in bzip2
+    path = _npz_with(tmp_path, {"w1.npy": _npy(W)}, zipfile.ZIP_BZIP2)
+    raw = (tmp_path / "p.npz").read_bytes()
+    info = zipfile.ZipFile(tmp_path / "p.npz").infolist()[0]
+    bomb = bz2.compress(_npy(W) + bytes(256 << 20))
+    start = info.header_offset + 30 + len(info.filename) + len(info.extra)
+    packed = raw[:start] + bomb + raw[start + info.compress_size:]
+    (tmp_path / "p.npz").write_bytes(packed)  # sizes in the headers now lie: any error will do
+    began = time.perf_counter()
+    with pytest.raises(InvalidProgram):
+        Program.load(path)
+    assert time.perf_counter() - began < 2
+
+
+def test_an_unused_buffer_a_hostile_name_and_an_unencodable_path_are_refused(tmp_path):
+    """A buffer no step writes (none reads it either) was accepted and allocated at bind: three
+    1 GiB buffers in a 414-byte manifest; a constants name holding U+2028 or a bidi override
+    was echoed into messages as it was (forged lines); a path with a lone surrogate raised
+    ``UnicodeEncodeError`` from ``os.open``."""
+    doc = manifest()
+    doc["methods"]["forward"]["buffers"].append(
+        {"name": "spare", "dtype": "float32", "shape": [1 << 28]})
+    with pytest.raises(InvalidProgram) as info:
+        Program.load(write(tmp_path, doc, {"w1": W}))
+    assert info.value.path == "methods.forward.buffers[1].name"
+    for name in ("w.npz\u2028ERROR all checks passed", "w\u202e.npz"):
+        doc = manifest()
+        doc["constants"] = name
+        with pytest.raises(InvalidProgram, match="plain file name") as info:
+            Program.load(write(tmp_path, doc, {"w1": W}))
+        assert info.value.path == "constants"
+    with pytest.raises(InvalidArgument, match="cannot be encoded"):
+        Program.load(str(tmp_path / "\ud800.json"))
+
+
 def test_big_endian_and_fortran_constants_arrive_native_with_their_values(tmp_path):
     """Uploads copy bytes: another machine's big-endian np.save must not reach a kernel as
     native float32 (on CUDA, 0.02 read as 3.6e25)."""

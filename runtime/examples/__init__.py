@@ -26,6 +26,7 @@ def path(name: str) -> Path:
 
 
 def load(name: str) -> Program:
+    """A shipped example program (``"encoder"`` or ``"decoder"``), loaded from its files."""
     return Program.load(path(name))
 
 
