@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # the names for type checkers; at run time __getattr__ loads 
         SchedulerClosed,
         TimingStallWarning,
     )
-    from .job import Job, JobOutput
+    from .job import Job, JobOutput, JobOutputs
     from .lane import Lane, LaneStatistics
     from .scheduler import Scheduler
     from .timeline import Span, Timeline
@@ -33,6 +33,7 @@ __all__ = [
     "DependencyFailed",
     "Job",
     "JobOutput",
+    "JobOutputs",
     "Lane",
     "LaneStatistics",
     "Scheduler",
@@ -48,6 +49,7 @@ _HOMES = {
     "DependencyFailed": "errors",
     "Job": "job",
     "JobOutput": "job",
+    "JobOutputs": "job",
     "Lane": "lane",
     "LaneStatistics": "lane",
     "Scheduler": "scheduler",
@@ -59,13 +61,15 @@ _HOMES = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{home}", __name__), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
+if not TYPE_CHECKING:  # seen by a type checker, it would make any misspelt import an Any
+
+    def __getattr__(name: str) -> Any:
+        home = _HOMES.get(name)
+        if home is None:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(f".{home}", __name__), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
 
 
 def __dir__() -> list[str]:

@@ -48,8 +48,9 @@ class DependencyFailed(StreamlaneError):
     outputs this job reads. ``__cause__`` is that job's error."""
 
     def __init__(self, job: Job, dependency: Job, error: BaseException):
-        self.job = job
-        self.dependency = dependency
+        # None in a copy made by pickle or deepcopy (__reduce__)
+        self.job: Job | None = job
+        self.dependency: Job | None = dependency
         # A chain names the job where it started, not every link (each message held the one
         # before it: quadratic in the chain's length).
         self._root: BaseException | None

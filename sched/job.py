@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, SupportsIndex, overload
 
 import anyio
 
@@ -34,13 +34,18 @@ if TYPE_CHECKING:
 
     from .lane import Lane
 
-__all__ = ["Job", "JobOutput"]
+__all__ = ["Job", "JobOutput", "JobOutputs"]
 
 # Guards the hand-over between a publishing lane and a thread about to wait (no lost wake-up);
 # held for a few bytecodes, so one lock serves every job.
 _PUBLISH_LOCK = threading.Lock()
 
-QUEUED, RUNNING, DONE, FAILED, CANCELLED = "queued", "running", "done", "failed", "cancelled"
+JobState = Literal["queued", "running", "done", "failed", "cancelled"]
+QUEUED: JobState = "queued"
+RUNNING: JobState = "running"
+DONE: JobState = "done"
+FAILED: JobState = "failed"
+CANCELLED: JobState = "cancelled"
 
 
 class JobOutput:
@@ -70,12 +75,14 @@ class JobOutput:
             job.lane._core.start_parked()
         results = job.results
         if results is None:
-            state = f"ended {job._state}" if job._finished else \
-                "failed before reaching the device" if job._enqueue_error is not None else \
-                "waits for its lane"
-            raise InvalidState(f"output {self.index} of {job!r}: the job {state}, so it has "
-                               f"no Result; await the job, or pass this JobOutput as an input "
-                               f"of a later submit")
+            if job._finished or job._enqueue_error is not None:  # it will never have one
+                state = f"ended {job._state}" if job._finished else \
+                    "failed before reaching the device"
+                raise InvalidState(f"output {self.index} of {job!r}: the job {state}, so it "
+                                   f"has no Result; await the job to see why")
+            raise InvalidState(f"output {self.index} of {job!r}: the job waits for its lane, "
+                               f"so it has no Result yet; await the job, or pass this "
+                               f"JobOutput as an input of a later submit")
         return results[self.index]
 
     def __repr__(self) -> str:
@@ -90,7 +97,12 @@ class JobOutputs(Sequence[JobOutput]):
     def __init__(self, job: Job, count: int):
         self._items = tuple(JobOutput(job, i) for i in range(count))
 
-    def __getitem__(self, index: Any) -> Any:
+    @overload
+    def __getitem__(self, index: SupportsIndex) -> JobOutput: ...
+    @overload
+    def __getitem__(self, index: slice) -> tuple[JobOutput, ...]: ...
+
+    def __getitem__(self, index: SupportsIndex | slice) -> JobOutput | tuple[JobOutput, ...]:
         return self._items[index]
 
     def __len__(self) -> int:
@@ -203,6 +215,7 @@ class Job:
     def span(self) -> tuple[float, float] | None:
         """The job's device start and end, in seconds after the scheduler's reference event
         (timing events; None without ``timing``, or until the job has finished)."""
+        self._observe()  # settled here if the device has finished it (started, if held back)
         if self._span_unread and self.lane._core.may_update():
             self.lane.read_spans()
         return self._span
@@ -217,7 +230,7 @@ class Job:
         return JobOutputs(self, len(self.method.definition.outputs))
 
     @property
-    def state(self) -> str:
+    def state(self) -> JobState:
         """``queued`` (waiting for its lane), ``running`` (enqueued on the device), ``done``,
         ``failed`` or ``cancelled`` (never ran: the scheduler left on an error)."""
         self._observe()
@@ -366,7 +379,7 @@ class Job:
                 raise
 
     # -- loop side ------------------------------------------------------------------------
-    def _finish(self, state: str, error: BaseException | None = None) -> bool:
+    def _finish(self, state: JobState, error: BaseException | None = None) -> bool:
         """Settle the job (loop thread only). Returns False if it was already settled."""
         if self._finished:
             if self._state != DONE:  # failed while its lane's thread was enqueuing it (the

@@ -42,7 +42,7 @@ from streamlane.runtime.errors import DeviceError, MethodBusy
 from streamlane.runtime.stream import no_caller_stream
 
 from .errors import DependencyFailed, SchedulerClosed
-from .job import CANCELLED, DONE, FAILED, Job, JobOutput
+from .job import CANCELLED, DONE, FAILED, Job, JobOutput, JobState
 from .timeline import Span
 
 if TYPE_CHECKING:
@@ -76,11 +76,14 @@ class _Core(Protocol):
     """What a lane needs from its scheduler (see ``Scheduler``)."""
 
     waker: LoopWaker
-    timing: bool
-    spin_s: float
-    poll_s: float
     reference: Event | None
 
+    @property
+    def timing(self) -> bool: ...
+    @property
+    def spin_s(self) -> float: ...
+    @property
+    def poll_s(self) -> float: ...
     @property
     def cancelling(self) -> bool: ...
     @property
@@ -92,9 +95,12 @@ class _Core(Protocol):
     def yielded(self) -> None: ...
     def broken_error(self) -> BaseException | None: ...
     def break_(self, error: BaseException, job: Job, doing: str) -> None: ...
-    def finish(self, job: Job, state: str, error: BaseException | None) -> None: ...
+    def finish(self, job: Job, state: JobState, error: BaseException | None) -> None: ...
     def finish_batch(self, jobs: list[Job], error: BaseException | None) -> None: ...
     def record_span(self, span: Span) -> None: ...
+    def may_update(self) -> bool: ...
+    def observed(self) -> None: ...
+    def check_loop_thread(self, what: str) -> None: ...
 
 
 # Timed jobs the loop settles itself may wait this many for their spans to be read (~5-10 us
@@ -723,7 +729,7 @@ class Lane:
             if core.cancelling:  # the job is refused next (_refused): its dependency may be
                 return  # another scheduler's job, which our error exit does not cancel
 
-    def _not_run(self, job: Job, state: str, error: BaseException) -> None:
+    def _not_run(self, job: Job, state: JobState, error: BaseException) -> None:
         with self._lock:
             if self._uncount(job):  # else the loop has counted it (not_run_here, claim_taken)
                 self._completed += 1

@@ -49,9 +49,9 @@ import time
 import warnings
 import weakref
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, SupportsFloat, SupportsIndex
 
 import anyio
 from anyio.lowlevel import checkpoint_if_cancelled
@@ -74,7 +74,7 @@ from streamlane.sched._reentry import reentered, streamlane_frame
 
 from ._wakeup import LoopWaker, _nothing
 from .errors import ClosedStreamGiven, SchedulerBroken, SchedulerClosed, TimingStallWarning
-from .job import CANCELLED, DONE, FAILED, Job, JobOutput, check_jobs
+from .job import CANCELLED, DONE, FAILED, Job, JobOutput, JobState, check_jobs
 from .lane import UNREAD_MAX, Lane, LaneStatistics
 from .timeline import Span, Timeline
 
@@ -247,9 +247,10 @@ class Scheduler:
     jobs settle), the latest submitted.
     """
 
-    def __init__(self, device: Device | str | None = None, lanes: int = 2, *,
-                 queue_size: int = 1024, timing: bool = True, spin_us: float = 0.0,
-                 poll_us: float = 50.0, inline: bool = True, timeline_size: int = 100_000):
+    def __init__(self, device: Device | str | None = None, lanes: SupportsIndex = 2, *,
+                 queue_size: SupportsIndex = 1024, timing: bool = True,
+                 spin_us: SupportsFloat = 0.0, poll_us: SupportsFloat = 50.0,
+                 inline: bool = True, timeline_size: SupportsIndex = 100_000):
         self.device: Device = device if isinstance(device, Device) else get_device(device)
         lanes, queue_size = _count("lanes", lanes, 1), _count("queue_size", queue_size, 1)
         timeline_size = _count("timeline_size", timeline_size, 0)
@@ -261,11 +262,12 @@ class Scheduler:
         for name, flag in (("timing", timing), ("inline", inline)):
             if not isinstance(flag, bool):
                 raise InvalidArgument(f"Scheduler: {name} must be a bool, got {flag!r}")
-        self.queue_size = queue_size
-        self.timing = timing
-        self.inline = inline
-        self.spin_s = spin_s
-        self.poll_s = poll_s
+        # Read by the lanes as they run: fixed here (read-only properties below).
+        self._queue_size = queue_size
+        self._timing = timing
+        self._inline = inline
+        self._spin_s = spin_s
+        self._poll_s = poll_s
         self.reference: Event | None = None
         self.lanes: tuple[Lane, ...] = tuple(Lane(self, i, self.device, queue_size)
                                              for i in range(lanes))
@@ -304,6 +306,32 @@ class Scheduler:
         self._queues = self.device.hardware_queues if timing else None
         self._busy_streams: dict[int, int] = {}
 
+    # The settings it was made with (read-only: the lanes read them as they run).
+    @property
+    def queue_size(self) -> int:
+        """Each lane's bound on jobs queued or in flight (``queue_size=``)."""
+        return self._queue_size
+
+    @property
+    def timing(self) -> bool:
+        """Whether jobs record timing events for ``timeline()`` (``timing=``)."""
+        return self._timing
+
+    @property
+    def inline(self) -> bool:
+        """Whether the loop thread may enqueue a lone caller-stream job itself (``inline=``)."""
+        return self._inline
+
+    @property
+    def spin_s(self) -> float:
+        """``spin_us=`` in seconds."""
+        return self._spin_s
+
+    @property
+    def poll_s(self) -> float:
+        """``poll_us=`` in seconds."""
+        return self._poll_s
+
     # -- context ----------------------------------------------------------------------------
     async def __aenter__(self) -> Scheduler:
         """``async with Scheduler(...) as sched:`` is equivalent to ``sched = await
@@ -320,7 +348,7 @@ class Scheduler:
         self._state = _OPEN
         _open_schedulers.add(self)
         for lane in self.lanes:
-            lane.slots = anyio.Semaphore(self.queue_size)
+            lane.slots = anyio.Semaphore(self._queue_size)
             lane.ready, lane.exited = anyio.Event(), anyio.Event()
         try:  # an interrupt while a thread starts (Thread.start waits for it) stops them all
             for lane in self.lanes:
@@ -469,8 +497,9 @@ class Scheduler:
             self.finish(job, FAILED, error)
 
     # -- submitting ---------------------------------------------------------------------------
-    async def submit(self, method: Method, inputs: Sequence[Any], *, lane: int | None = None,
-                     after: Sequence[Job] = (), stream: Any = None) -> Job:
+    async def submit(self, method: Method, inputs: Sequence[Any], *,
+                     lane: SupportsIndex | None = None, after: Iterable[Job] | Job = (),
+                     stream: Any = None) -> Job:
         """``job = await sched.submit(m, xs, lane=i)`` is equivalent to ``m.set_inputs(xs);
         m.execute()`` run by lane ``i``'s thread, without waiting for the device: it queues one
         execution of ``method`` and returns its ``Job``.
@@ -498,8 +527,8 @@ class Scheduler:
         """
         return await self._submit(method, inputs, lane, after, stream, False)
 
-    async def _submit(self, method: Method, inputs: Sequence[Any], lane: int | None,
-                      after: Sequence[Job], stream: Any, awaited: bool) -> Job:
+    async def _submit(self, method: Method, inputs: Sequence[Any], lane: SupportsIndex | None,
+                      after: Iterable[Job] | Job, stream: Any, awaited: bool) -> Job:
         """``submit``; ``awaited``: the caller awaits the job at once (``run``), so no burst
         can follow it and a lone job is enqueued by the loop here, not held back."""
         if self._state is _OPEN and self.waker.on_loop():
@@ -590,8 +619,8 @@ class Scheduler:
                         stream._release_pin(pin)
                 raise
 
-    async def run(self, method: Method, inputs: Sequence[Any], *, lane: int | None = None,
-                  after: Sequence[Job] = (), stream: Any = None) -> list[Result]:
+    async def run(self, method: Method, inputs: Sequence[Any], *, lane: SupportsIndex | None = None,
+                  after: Iterable[Job] | Job = (), stream: Any = None) -> list[Result]:
         """``await sched.run(m, xs, **kw)`` is equivalent to ``await (await sched.submit(m, xs,
         **kw))``: submit and wait for the outputs. (A lone caller-stream job is enqueued by the
         loop at once: no burst can follow it.)
@@ -642,7 +671,7 @@ class Scheduler:
             job._calls = state.calls
             # Nothing pending here does not mean nothing to wait for: a dependency may be a job
             # of another scheduler, not yet enqueued; the loop must never wait for it.
-            inline = stream is not None and self.inline and lone and \
+            inline = stream is not None and self._inline and lone and \
                 self._can_run_inline(method, values, state.kernels_only) and \
                 (not host_waits or all(dep._is_published for dep in host_waits))
             stall = self._count_stream(job, 1) if self._queues is not None else None
@@ -740,7 +769,7 @@ class Scheduler:
         shows the warning runs inside the scheduler, where observers only read
         (``_reentry``): what they read is brought up to date first, every job the device
         has finished settled."""
-        self._bring_up_to_date(settle_all=True)
+        self._bring_up_to_date()
         warnings.warn(
             f"{queues + 1} streams have timed jobs pending on {self.device.name}, more than "
             f"its {queues} hardware queues (CUDA_DEVICE_MAX_CONNECTIONS): streams now share "
@@ -749,7 +778,8 @@ class Scheduler:
             f"timing=False (no timeline), or set CUDA_DEVICE_MAX_CONNECTIONS=32 before CUDA "
             f"initializes", TimingStallWarning, stacklevel=_caller_level())
 
-    def _pick_lane(self, method: Method, lane: int | None, state: _MethodState | None) -> Lane:
+    def _pick_lane(self, method: Method, lane: SupportsIndex | None,
+                   state: _MethodState | None) -> Lane:
         if lane is not None:
             index = lane if type(lane) is int else int_in(lane, 0)  # np.argmin's int64 too
             if index is None or not 0 <= index < len(self.lanes):
@@ -974,7 +1004,7 @@ class Scheduler:
                 job.lane.claim_taken(job, error)
             self.finish(job, FAILED, error)
 
-    def finish(self, job: Job, state: str, error: BaseException | None) -> None:
+    def finish(self, job: Job, state: JobState, error: BaseException | None) -> None:
         """Settle ``job`` (loop thread). Its room, count and pin are given back once, even
         if an exception (a Ctrl-C) cuts ``Job._finish`` short after it marked the job."""
         try:
@@ -1043,24 +1073,26 @@ class Scheduler:
         return len(self._pending)
 
     def statistics(self) -> tuple[LaneStatistics, ...]:
-        """A frozen snapshot of every lane's counters."""
-        fresh = self._bring_up_to_date()  # busy time counts every job settled so far
+        """A frozen snapshot of every lane's counters. On the loop thread it first settles the
+        jobs the device has finished, as ``pending`` does (one event query per pending job),
+        so code polling it without yielding sees them completed."""
+        fresh = self._bring_up_to_date()  # busy time: every job settled so far
         return tuple(lane.statistics(locked=fresh) for lane in self.lanes)
 
     def timeline(self) -> Timeline:
         """The device spans of the recent jobs (up to ``timeline_size``), as a ``Timeline``.
         A scheduler made with ``timing=False`` records none: it raises ``InvalidState`` (an
         empty timeline's ``overlap()`` of 0.0 would read as "no overlap", not "not measured")."""
-        if not self.timing:
+        if not self._timing:
             raise InvalidState(f"{self!r} was made with timing=False: it records no timing "
                                f"events, so there is no timeline to measure overlap from; make "
                                f"it with timing=True (the default) to get one")
-        self._bring_up_to_date()
+        self._bring_up_to_date()  # as statistics()
         spans = list(self._spans)
         if len(spans) > self._timeline_size:  # recorded nearly in submit order: a quick sort
             spans.sort(key=_JOB_ID)
             spans = spans[len(spans) - self._timeline_size:]
-        return Timeline(spans, self.device.name)
+        return Timeline._recorded(spans, self.device.name)
 
     def clear_timeline(self) -> None:
         """Forget the spans recorded so far (to measure one phase of a longer run): those of
@@ -1086,18 +1118,15 @@ class Scheduler:
         for job in list(self._pending):
             job.lane.observe(job)
 
-    def _bring_up_to_date(self, settle_all: bool = False) -> bool:
-        """Before an observer reads: settle (or hand to the waiter) the lone job the loop kept
-        (with ``settle_all``, every job the device has finished), and read the spans of the
-        jobs settled so far, unless ``may_update()`` says no; then the observer reads what
-        was settled before, taking no lock. Returns whether it brought the scheduler up to
-        date."""
+    def _bring_up_to_date(self) -> bool:
+        """Before an observer reads: settle every job the device has finished (on the loop
+        thread; the lone job the loop kept is handed to the waiter, a held-back one started),
+        and read the spans of the jobs settled so far, unless ``may_update()`` says no; then
+        the observer reads what was settled before, taking no lock. Returns whether it
+        brought the scheduler up to date."""
         if not self.may_update():
             return False
-        if settle_all:
-            self._settle_finished()
-        else:
-            self._release_loop_job()
+        self._settle_finished()
         self._read_spans()
         self.observed()
         return True
@@ -1126,5 +1155,6 @@ class Scheduler:
 
     def __repr__(self) -> str:
         state = "broken" if self._broken is not None else self._state
-        return (f"<Scheduler {self.device.name}, {len(self.lanes)} lanes, {state}, "
+        lanes = len(self.lanes)
+        return (f"<Scheduler {self.device.name}, {lanes} lane{'' if lanes == 1 else 's'}, {state}, "
                 f"{len(self._pending)} pending>")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import heapq
 import json
 import math
+import numbers
 import os
 import stat
 from collections.abc import Iterable, Iterator
@@ -20,8 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from streamlane.runtime.dtypes import int_in
 from streamlane.runtime.errors import InvalidArgument
-from streamlane.runtime.program import make_folders, new_hidden_file
+from streamlane.runtime.program import FilePath, make_folders, new_hidden_file, path_text
 
 __all__ = ["Span", "Timeline"]
 
@@ -44,10 +48,15 @@ class Span:
 
     @property
     def duration_s(self) -> float:
+        """``end_s - start_s``."""
         return self.end_s - self.start_s
 
 
 _HATCHES = ("", "//", "..", "xx", "\\\\", "oo")
+
+
+def _by_start(span: Span) -> tuple[float, int]:
+    return span.start_s, span.job
 
 
 class Timeline:
@@ -56,11 +65,26 @@ class Timeline:
     __slots__ = ("__weakref__", "_device", "_spans")
 
     def __init__(self, spans: Iterable[Span], device: str = ""):
-        self._spans: tuple[Span, ...] = tuple(sorted(spans, key=lambda s: (s.start_s, s.job)))
+        if not isinstance(device, str):
+            raise InvalidArgument(f"Timeline: device must be a str (its name), got "
+                                  f"{type(device).__name__}")
+        try:
+            given = list(spans)
+        except TypeError:
+            raise InvalidArgument(f"Timeline takes an iterable of Spans, got "
+                                  f"{type(spans).__name__}") from None
+        checked = [_checked(s, i) for i, s in enumerate(given)]
+        self._spans: tuple[Span, ...] = tuple(sorted(checked, key=_by_start))
         self._device = device
-        for s in self._spans:  # a negative duration has no union, no trace event, no bar
-            if s.end_s < s.start_s:
-                raise InvalidArgument(f"Timeline: {s} ends before it starts")
+
+    @classmethod
+    def _recorded(cls, spans: Iterable[Span], device: str) -> Timeline:
+        """The timeline of spans a scheduler recorded (``Scheduler.timeline``): not checked
+        again, as an observer (a raw signal handler too) should find it cheap to read."""
+        timeline = cls.__new__(cls)
+        timeline._spans = tuple(sorted(spans, key=_by_start))
+        timeline._device = device
+        return timeline
 
     def __reduce__(self) -> tuple[type[Timeline], tuple[tuple[Span, ...], str]]:
         return Timeline, (self._spans, self._device)  # every pickle protocol, and copy
@@ -122,7 +146,7 @@ class Timeline:
         return self.busy_s() / union if union > 0 else 0.0
 
     # -- export -----------------------------------------------------------------------------
-    def to_chrome_trace(self, path: str | Path) -> Path:
+    def to_chrome_trace(self, path: FilePath) -> Path:
         """Write a Chrome / Perfetto trace (JSON; open it in ui.perfetto.dev or
         chrome://tracing), one track per lane and caller stream. Returns the path."""
         path = _path(path, "to_chrome_trace")
@@ -146,7 +170,7 @@ class Timeline:
         _write_file(path, lambda f: f.write(text))
         return path
 
-    def plot(self, path: str | Path, title: str | None = None) -> Path:
+    def plot(self, path: FilePath, title: str | None = None) -> Path:
         """Write a PNG timeline (matplotlib, Agg; no global backend change), one row per lane
         and caller stream (past ``PLOT_ROWS`` tracks, the caller streams' spans packed into
         rows: ``_rows``). A path without a suffix gets ``.png``; another suffix than
@@ -189,14 +213,18 @@ class Timeline:
                 ax.broken_barh(xranges, (row - 0.4, 0.8), facecolors=colour, hatch=hatch,
                                edgecolor="black", linewidth=0.3)
         ax.set_yticks(range(len(tracks)), [_shown(t) for t in tracks])
+        for label in ax.get_yticklabels():  # plain text too (a hand-made track r"$\foo$")
+            label.set_parse_math(False)
         ax.set_ylim(-0.6, max(0.6, len(tracks) - 0.4))
         ax.invert_yaxis()
         ax.set_xlabel("ms since the first job started")
         # Plain text, as given: matplotlib reads "$...$" as mathtext ("$5 and $6" in italics,
         # r"$\foo$" an error). title="" draws none.
+        jobs = len(self.spans)
         ax.set_title(_shown(title if title is not None else
-                            f"streamlane {self.device}: {len(self.spans)} jobs, "
-                            f"overlap {self.overlap():.2f}x"), parse_math=False)
+                            f"{f'streamlane {self.device}'.strip()}: {jobs} "
+                            f"job{'' if jobs == 1 else 's'}, overlap {self.overlap():.2f}x"),
+                     parse_math=False)
         if names:
             from matplotlib.patches import Patch
 
@@ -242,7 +270,8 @@ class Timeline:
                 packed.append([])
             packed[row].append(s)
             heapq.heappush(ends, (s.end_s, row))
-        streams = len(tracks) - len(own)
+        # Caller streams, each counted once (a stream used from two lanes is two tracks)
+        streams = len({t.partition(" stream ")[2] for t in tracks if t not in own})
         if not packed:  # lanes alone: a row each, however many
             return own, rows
         # The rows left beside the lanes', and at least STREAM_ROWS: with 48 lanes or more,
@@ -270,14 +299,36 @@ def _shown(text: object) -> str:
     return str(text).encode("utf-8", "backslashreplace").decode("utf-8")
 
 
+def _checked(span: object, i: int) -> Span:
+    """A span given to ``Timeline``, as the scheduler records one: numpy's ints and floats as
+    Python's (json writes no numpy scalar), anything else an ``InvalidArgument``."""
+    if not isinstance(span, Span):
+        raise InvalidArgument(f"Timeline: spans[{i}] must be a Span, got {type(span).__name__}")
+    job, lane = int_in(span.job, 0), int_in(span.lane, 0)
+    start, end = _time(span.start_s), _time(span.end_s)
+    if job is None or lane is None or not isinstance(span.name, str) or \
+            not isinstance(span.track, str):
+        raise InvalidArgument(f"Timeline: spans[{i}] ({span}) needs an int job and lane >= 0 "
+                              f"and a str name and track")
+    if start is None or end is None:
+        raise InvalidArgument(f"Timeline: spans[{i}] ({span}) needs real start and end times")
+    if end < start:  # a negative duration has no union, no trace event, no bar
+        raise InvalidArgument(f"Timeline: {span} ends before it starts")
+    if (type(span.job), type(span.lane), type(span.start_s), type(span.end_s)) == \
+            (int, int, float, float):
+        return span  # as recorded
+    return Span(job, span.name, lane, span.track, start, end)
+
+
+def _time(value: object) -> float | None:
+    """A span's time as a float (a NaN or an infinity too: the exports refuse those)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        return None
+    return float(value)
+
+
 def _path(path: object, what: str) -> Path:
-    if not isinstance(path, (str, bytes, os.PathLike)):
-        raise InvalidArgument(f"Timeline.{what} takes a file path (str, bytes or os.PathLike), "
-                              f"got {type(path).__name__}")
-    try:  # bytes (or a PathLike giving bytes) in the file system's encoding, as open() takes
-        text = os.fsdecode(os.fspath(path))
-    except TypeError as exc:  # a PathLike whose __fspath__ returns something else
-        raise InvalidArgument(f"Timeline.{what} takes a file path: {exc}") from None
+    text = path_text(path, f"Timeline.{what}")
     if text.endswith(("/", os.sep)) or "\0" in text or os.path.basename(text) in (".", ".."):
         raise InvalidArgument(f"Timeline.{what} takes a file path, got {text!r} (a folder's "
                               f"name, or a NUL character); name a file")

@@ -1347,3 +1347,25 @@ async def test_run_names_itself_when_called_before_the_scheduler_started(host):
         await sched.run(method, [data(0)])
     with pytest.raises(InvalidState, match=r"^submit\(\) before the scheduler started"):
         await sched.submit(method, [data(0)])
+
+
+@pytest.mark.anyio
+async def test_a_failed_jobs_output_says_why_it_has_no_result_and_what_helps(host):
+    """``job.outputs[0].result`` of a failed job advised passing the output to a later submit,
+    which would only fail with ``DependencyFailed``; a scheduler of one lane said "1 lanes"."""
+
+    class Unreadable:  # read by the lane thread, when the job runs
+        def __array__(self, dtype=None, copy=None):
+            raise ValueError("not today")
+
+    method = double_program().method("forward", device=host)
+    async with Scheduler(host, lanes=1) as sched:
+        assert repr(sched).startswith(f"<Scheduler {host.name}, 1 lane, ")
+        waiting = await sched.submit(method, [data(0)])
+        failed = await sched.submit(method, [Unreadable()])
+        with pytest.raises(InvalidInput):
+            await failed
+        with pytest.raises(InvalidState, match="await the job to see why") as info:
+            failed.outputs[0].result  # noqa: B018
+        assert "later submit" not in str(info.value)
+        await waiting

@@ -955,3 +955,63 @@ async def test_an_untimed_scheduler_has_no_timeline_to_read(host):
             sched.clear_timeline()  # nothing to clear: fine
             assert sched.statistics()[0].completed == 1
 
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("look", ["statistics", "timeline", "span"])
+async def test_polling_the_measurements_without_yielding_sees_a_held_back_job_finish(host, look):
+    """A lone caller-stream job with device inputs is held back for its await; ``done()`` and
+    ``pending`` started it when looked at, but ``statistics()``, ``timeline()`` and
+    ``job.span`` did not, so a loop polling them without yielding spun for ever."""
+    method = double_program().method("forward", device=host)
+    x = Result.from_host(data(0), host)
+    with anyio.fail_after(30):
+        async with Scheduler(host, lanes=1) as sched:
+            job = await sched.submit(method, [x], stream=host.create_stream())
+            seen = {
+                "statistics": lambda: sched.statistics()[0].completed == 1,
+                "timeline": lambda: len(sched.timeline()) == 1,
+                "span": lambda: job.span is not None,
+            }[look]
+            deadline = time.monotonic() + 10
+            while not seen():  # no await: the loop never turns
+                assert time.monotonic() < deadline, (look, sched.statistics(), job)
+                time.sleep(0.001)
+            np.testing.assert_allclose((await job)[0].to_host(), 2 * data(0))
+
+
+def test_a_hand_made_timeline_takes_numpy_numbers_and_refuses_what_is_not_a_span(tmp_path):
+    """A Span of numpy scalars (``np.int64`` lane, ``np.float32`` times) made
+    ``to_chrome_trace`` raise json's TypeError; ``Timeline([1])`` an AttributeError and
+    ``Timeline(None)`` a TypeError."""
+    span = Span(np.int64(3), "a.b", np.int64(0), "lane 0", np.float32(0.001), np.float64(0.002))
+    timeline = Timeline([span], "host:0")
+    doc = json.loads(timeline.to_chrome_trace(tmp_path / "t.json").read_text())
+    (event,) = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    assert event["args"] == {"job": 3, "lane": 0} and event["dur"] == pytest.approx(1000, 1e-4)
+    assert type(timeline.spans[0].job) is int and type(timeline.spans[0].start_s) is float
+    for bad, match in (([1], r"spans\[0\] must be a Span"), (None, "iterable of Spans"),
+                       ([Span(0, "a", -1, "lane 0", 0.0, 1.0)], "int job and lane >= 0"),
+                       ([Span(0, "a", 0, "lane 0", "0", 1.0)], "real start and end"),
+                       ([Span(0, "a", 0, "lane 0", True, 1.0)], "real start and end"),
+                       ([Span(0, 5, 0, "lane 0", 0.0, 1.0)], "str name and track")):
+        with pytest.raises(InvalidArgument, match=match):
+            Timeline(bad)
+    with pytest.raises(InvalidArgument, match="device must be a str"):
+        Timeline([], 0)
+
+
+def test_the_plot_draws_track_names_as_plain_text_and_counts_each_stream_once(tmp_path):
+    """A track named ``r"$\\foo$"`` made ``plot()`` raise (matplotlib read it as mathtext; the
+    title and legend were plain already); past ``PLOT_ROWS`` tracks the packed rows said
+    "60 caller streams" for 30 streams used from two lanes; an unnamed device's title read
+    "streamlane : 1 jobs"."""
+    odd = Timeline([Span(0, "a.b", 0, r"$\foo$", 0.0, 1e-3)])
+    odd.plot(tmp_path / "odd.png")
+    fig = odd._figure(None)
+    assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == [r"$\foo$"]
+    assert fig.axes[0].get_title() == "streamlane: 1 job, overlap 1.00x"
+    spans = [Span(2 * i + k, "m", k, f"lane {k} stream {0x100 + i:#x}", i * 1e-3, i * 1e-3 + 5e-4)
+             for i in range(30) for k in (0, 1)]
+    tracks, _ = Timeline(spans)._rows()
+    assert len(Timeline(spans).tracks()) == 60 and tracks[0].startswith("30 caller streams,")
