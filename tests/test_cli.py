@@ -275,7 +275,7 @@ def test_the_package_names_load_on_first_use():
             "sorted(s.__all__) == sorted(s._HOMES))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
-    assert out.strip() == "12 [] [] True True", out
+    assert out.strip() == "13 [] [] True True", out
     err = subprocess.run([sys.executable, "-c", "import streamlane.sched as s; s.Schedular"],
                          capture_output=True, text=True).stderr
     assert "AttributeError: module 'streamlane.sched' has no attribute 'Schedular'" in err, err
