@@ -366,7 +366,10 @@ class Method:
         stream = current_stream(device)
         # A closed stream, or another thread's per-thread one, is refused before anything is
         # touched: a refusal partway would leave readied buffers with no event to order by.
-        impl = stream._usable()
+        try:
+            impl = stream._usable()
+        except InvalidState as exc:  # StreamClosed too: say whose execute it refused
+            raise type(exc)(f"{self.name}: execute() refused: {exc}") from None
         key = stream.key
         used: list[Buffer] = []  # memory of others this execute touches, and its outputs' (rule 8)
         pooled: list[PooledBuffer] = []  # the output buffers taken, in output order

@@ -829,3 +829,18 @@ def test_guards_and_latches_say_what_they_are(host):
         assert repr(latch) == f"<Latch {host.name} holding>"
     assert repr(latch) == f"<Latch {host.name} released>"
     s.close()
+
+
+def test_an_execute_refused_for_its_stream_names_the_method(host):
+    """``m(x)`` under a closed caller stream raised ``StreamClosed`` naming only the stream."""
+    from streamlane.runtime import Program
+
+    builder = Program.build("named")
+    mb = builder.method("f", x=("float32", [4]))
+    mb.output(mb.step("relu", "x"))
+    method = builder.finish().method("f", device=host)
+    s = host.create_stream()
+    s.close()
+    with pytest.raises(StreamClosed, match=r"^named\.f: execute\(\) refused: .* is closed"), \
+            CallerStream(s):
+        method([np.ones(4, np.float32)])
