@@ -255,8 +255,14 @@ class Program:
                 backup.unlink(missing_ok=True)
 
     # -- binding --------------------------------------------------------------------------
-    def method(self, name: str, device: Device | str | None = None, **options: Any) -> Method:
+    def method(self, name: str, device: Device | str | None = None, *,
+               clone_outputs: bool = True, use_shared_stream: bool = False,
+               **options: Any) -> Method:
         """Bind method ``name`` to ``device`` (a Device or a name for ``get_device``).
+
+        ``clone_outputs``: outputs are Results in two buffers that take turns (the default);
+        False gives views that the next execute overwrites. ``use_shared_stream=True`` is
+        refused (``NotSupported``: rule 5). Any other option is an ``InvalidArgument``.
 
         With ``device=None`` (or ``"auto"``) the device is ``get_device()``'s choice; when that
         is a GPU and the program names a ``device_index`` (and ``STREAMLANE_DEVICE`` is unset),
@@ -274,7 +280,9 @@ class Program:
                     and not os.environ.get("STREAMLANE_DEVICE")
                     and device.name != f"cuda:{self.device_index}"):
                 device = get_device(f"cuda:{self.device_index}")
-        return Method(self, self.methods[name], device, options)
+        return Method(self, self.methods[name], device,
+                      {"clone_outputs": clone_outputs, "use_shared_stream": use_shared_stream,
+                       **options})
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Program):

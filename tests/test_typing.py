@@ -25,19 +25,22 @@ def test_the_typed_user_script_runs():
 
 # Mistakes a checker must catch: with an Any from the library, each would pass unseen.
 MISTAKES = """\
-from streamlane.runtime import get_device
+from streamlane.runtime import Program, get_device
 from streamlane.sched import Job, Schedular  # misspelt
 def look(job: Job) -> None:
     job.outputs[0].reslt  # misspelt
     if job.state == "don":  # not a state
         pass
     get_device("host").inject_dealy  # misspelt
+def bind(program: Program) -> None:
+    program.method("forward", clone_outputs="no")  # not a bool (InvalidArgument at run time)
 """
 EXPECTED = [
     ('mistakes.py:2', 'Module "streamlane.sched" has no attribute "Schedular"'),
     ('mistakes.py:4', '"JobOutput" has no attribute "reslt"'),
     ('mistakes.py:5', 'Non-overlapping equality check'),
     ('mistakes.py:7', '"HostDevice" has no attribute "inject_dealy"'),
+    ('mistakes.py:9', 'Argument "clone_outputs" to "method" of "Program" has incompatible type'),
 ]
 
 

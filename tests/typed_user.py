@@ -87,7 +87,7 @@ def sync_part(tmp: str) -> Method:
     assert_type(encoder, Program)
     encoder.save(Folder(os.path.join(tmp, "encoder.json")))
     assert Program.load(Path(tmp, "encoder.json")) == load_example("encoder")
-    m = program.method("forward", device=dev)
+    m = program.method("forward", device=dev, clone_outputs=True)
     x = np.ones((4, 4), np.float32)
     outs = m([x, x])
     assert_type(outs, list[Result])
