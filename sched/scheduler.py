@@ -165,6 +165,13 @@ def _warn_unclosed() -> None:
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+# How many pending jobs statistics() and timeline() look at per call on the loop thread (one
+# event query each): code polling them without yielding sees its jobs finish, up to this many
+# a call, and a call costs no more with thousands pending (5,000: 14.7 ms when it looked at
+# every one, and submitting 5,000 jobs with a statistics() after each took 17 s, not 0.5).
+OBSERVE_AT_MOST = 64
+
+
 def _count(name: str, value: Any, low: int) -> int:
     """A ``Scheduler`` count: an int >= ``low``, numpy's too, else ``InvalidArgument``."""
     number = int_in(value, low)
@@ -1074,8 +1081,9 @@ class Scheduler:
 
     def statistics(self) -> tuple[LaneStatistics, ...]:
         """A frozen snapshot of every lane's counters. On the loop thread it first settles the
-        jobs the device has finished, as ``pending`` does (one event query per pending job),
-        so code polling it without yielding sees them completed."""
+        jobs the device has finished among up to ``OBSERVE_AT_MOST`` pending ones (one event
+        query each; a held-back job is started), so code polling it without yielding sees its
+        jobs completed."""
         fresh = self._bring_up_to_date()  # busy time: every job settled so far
         return tuple(lane.statistics(locked=fresh) for lane in self.lanes)
 
@@ -1110,23 +1118,31 @@ class Scheduler:
             self._spans.clear()
         self.observed()
 
-    def _settle_finished(self) -> None:
+    def _settle_finished(self, at_most: int | None = None) -> None:
         """Settle every pending job the device has finished (a lane reports its jobs in order,
-        so one may wait behind a slower one, for milliseconds on another stream), on the loop
-        thread; elsewhere, none. One event query per pending job."""
+        so one may wait behind a slower one, for milliseconds on another stream), or with
+        ``at_most`` only among that many of them, on the loop thread (a held-back job is
+        started); elsewhere, none. One event query per job looked at."""
+        if self._state is _NEW or not self.waker.on_loop():  # (observe() would do nothing)
+            return
         self._release_loop_job()
-        for job in list(self._pending):
+        if self._parked is not None:
+            self.start_parked()
+        pending = self._pending
+        for job in list(pending if at_most is None or len(pending) <= at_most
+                        else itertools.islice(pending, at_most)):
             job.lane.observe(job)
 
     def _bring_up_to_date(self) -> bool:
-        """Before an observer reads: settle every job the device has finished (on the loop
-        thread; the lone job the loop kept is handed to the waiter, a held-back one started),
+        """Before an observer reads: settle the jobs the device has finished, among at most
+        ``OBSERVE_AT_MOST`` of those pending (on the loop thread; the lone job the loop kept is
+        handed to the waiter, a held-back one started),
         and read the spans of the jobs settled so far, unless ``may_update()`` says no; then
         the observer reads what was settled before, taking no lock. Returns whether it
         brought the scheduler up to date."""
         if not self.may_update():
             return False
-        self._settle_finished()
+        self._settle_finished(OBSERVE_AT_MOST)
         self._read_spans()
         self.observed()
         return True

@@ -270,8 +270,9 @@ class Timeline:
                 packed.append([])
             packed[row].append(s)
             heapq.heappush(ends, (s.end_s, row))
-        # Caller streams, each counted once (a stream used from two lanes is two tracks)
-        streams = len({t.partition(" stream ")[2] for t in tracks if t not in own})
+        # Caller streams, each counted once (a stream used from two lanes is two tracks; a
+        # track of another name, in a timeline made by hand, is one of its own)
+        streams = len({t.partition(" stream ")[2] or t for t in tracks if t not in own})
         if not packed:  # lanes alone: a row each, however many
             return own, rows
         # The rows left beside the lanes', and at least STREAM_ROWS: with 48 lanes or more,
