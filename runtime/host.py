@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import os
 import queue
 import threading
 import time
@@ -51,6 +52,7 @@ class _Worker:
         self.queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self.stopped = False
         self.drained = threading.Event()  # set when its thread has run everything and ends
+        self.pid = os.getpid()  # a forked child has no such thread to wait for (_drain)
         # A per-thread stream's worker: the Stream a callable step running on it is handed
         # (HostDevice._enqueue_callable)
         self.handed: Stream | None = None
@@ -63,8 +65,11 @@ class _Worker:
 
     def put(self, item: Callable[[], None]) -> None:
         with self._lock:  # a stop() between the check and the put would strand the item
-            if self.stopped:  # a borrowed handle of a stream its owner closed, or a close()
-                # on another thread after this work's own check of the stream: it is lost
+            # Work that a step running on this stream adds to it (a callable step recording an
+            # event on the stream it is handed) still runs once the stream is stopping (_run)
+            if self.stopped and threading.current_thread() is not self.thread:
+                # a borrowed handle of a stream its owner closed, or a close() on another
+                # thread after this work's own check of the stream: it is lost
                 raise StreamClosed(f"host stream {self.id:#x} was destroyed by its owner (a "
                                    f"close() of it, perhaps on another thread while this work "
                                    f"was being queued); work given to it would never run")
@@ -78,8 +83,16 @@ class _Worker:
 
     def _run(self) -> None:
         device = self.device
+        stopping = False
         try:
-            while (item := self.queue.get()) is not None:
+            while True:
+                try:
+                    item = self.queue.get_nowait() if stopping else self.queue.get()
+                except queue.Empty:  # stopping, and nothing left behind the sentinel
+                    break
+                if item is None:  # the sentinel; what its own steps put behind it still runs
+                    stopping = True
+                    continue
                 try:
                     item()
                 except BaseException as exc:  # the emulated device faults; never silently
@@ -126,6 +139,8 @@ class _ThreadStream:
 
 def _drain(worker: _Worker, stream: Stream) -> None:
     stream._thread_ended()
+    if worker.pid != os.getpid():  # a forked child's copy of a thread: its worker was not
+        return  # copied (only the forking thread is), so nothing runs there to wait for
     worker.stop()
     # Its own event, not Thread.join(): this runs as the thread is torn down, where join()'s
     # current_thread() would register a dummy thread that stays in threading.enumerate().

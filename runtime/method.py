@@ -17,6 +17,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import array
 import math
 import threading
 from collections.abc import Sequence
@@ -149,8 +150,10 @@ class Method:
 
     def _listed(self, values: Any) -> list[Any]:
         """The inputs given as another sequence than a list or a tuple, as a list (a str, bytes
-        or an array is not a sequence of inputs)."""
-        if not isinstance(values, Sequence) or isinstance(values, (str, bytes, bytearray)):
+        or an array is not a sequence of inputs: bytes, memoryview and array.array are
+        sequences of numbers)."""
+        if not isinstance(values, Sequence) or \
+                isinstance(values, (str, bytes, bytearray, memoryview, array.array)):
             raise InvalidInput(self.name, None, "a list of inputs", type(values).__name__)
         return list(values)
 

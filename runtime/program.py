@@ -728,8 +728,9 @@ def _free_constants_path(manifest: Path) -> Path:
         if not _plain_file_name(npz.name):
             raise InvalidArgument(f"save({str(manifest)!r}): its constants file would be "
                                   f"{npz.name!r}, which load() refuses (at most 255 bytes, no "
-                                  f"path separator, control character or leading dot); choose "
-                                  f"another manifest name")
+                                  f"path separator, control character, line separator, "
+                                  f"bidirectional control or leading dot); choose another "
+                                  f"manifest name")
         if not os.path.lexists(npz) or (npz.name == own and npz.is_file()
                                         and not npz.is_symlink()):
             return npz

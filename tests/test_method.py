@@ -1410,6 +1410,8 @@ def test_inputs_come_in_any_sequence_but_a_str_or_an_array(host):
     check(p, [x], m(UserList([x])))
     m.set_inputs(UserList([x]))
     assert len(m.check_inputs(UserList([x]))) == 1
-    for bad in ("x", b"x", x, {0: x}):
+    import array
+
+    for bad in ("x", b"x", x, {0: x}, memoryview(b"\x01"), array.array("f", [1.0])):
         with pytest.raises(InvalidInput, match="a list of inputs"):
             m(bad)

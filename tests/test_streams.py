@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -844,3 +847,58 @@ def test_an_execute_refused_for_its_stream_names_the_method(host):
     with pytest.raises(StreamClosed, match=r"^named\.f: execute\(\) refused: .* is closed"), \
             CallerStream(s):
         method([np.ones(4, np.float32)])
+
+
+def test_a_callable_step_may_record_on_its_stream_after_the_thread_that_queued_it_ended(host):
+    """A thread enqueues a callable step and ends; its per-thread stream drains, and the step,
+    running then, records an event on the stream it was handed: the stopping queue refused
+    the record, which faulted the host device for good."""
+    from streamlane.runtime import Program
+
+    ran = threading.Event()
+
+    def step(stream, ins, outs):
+        time.sleep(0.05)  # the enqueuing thread has ended by now
+        stream.record()
+        np.multiply(ins[0], 2.0, out=outs[0])
+        ran.set()
+
+    builder = Program.build("handed")
+    mb = builder.method("f", x=("float32", [4]))
+    mb.output(*mb.call(step, ["x"], [("y", "float32", [4])]))
+    method = builder.finish().method("f", device=host)
+    box = {}
+    in_thread(lambda: box.setdefault("out", method([np.ones(4, np.float32)])))
+    assert ran.wait(5) and not host.lost
+    host.synchronize()
+    np.testing.assert_array_equal(box["out"][0].to_host(), np.full(4, 2.0, np.float32))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_does_not_hang_on_the_host_streams_of_threads_it_lacks():
+    """At a fork, the child drops the other threads' thread-locals, so each one's per-thread
+    stream was drained there, waiting for a worker thread the child does not have: the child
+    hung in os.fork()."""
+    code = (
+        "import os, threading, time\n"
+        "from streamlane.runtime import get_device\n"
+        "dev = get_device('host')\n"
+        "used, done = threading.Event(), threading.Event()\n"
+        "def user():\n"
+        "    dev.per_thread_stream().record(); used.set(); done.wait()\n"
+        "threading.Thread(target=user, daemon=True).start(); used.wait()\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    os._exit(7)\n"
+        "deadline = time.monotonic() + 20\n"
+        "while time.monotonic() < deadline:\n"
+        "    got, status = os.waitpid(pid, os.WNOHANG)\n"
+        "    if got:\n"
+        "        print('exit', os.waitstatus_to_exitcode(status)); break\n"
+        "    time.sleep(0.05)\n"
+        "else:\n"
+        "    os.kill(pid, 9); os.waitpid(pid, 0); print('hung')\n"
+        "done.set()\n")
+    proc = subprocess.run([sys.executable, "-W", "ignore::DeprecationWarning", "-c", code],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.stdout.strip() == "exit 7", proc.stdout + proc.stderr
