@@ -4,12 +4,20 @@ numpy exports host memory itself; CUDA memory needs a ``DLManagedTensor`` built 
 structures are plain data described with ctypes (no driver calls). Each export keeps its owner
 (the Result's holder) alive in ``_LIVE`` until the consumer calls the deleter, or until the
 capsule is dropped unconsumed.
+
+A consumer may hold an export until the interpreter ends (a tensor in a module global, an
+unconsumed capsule in a reference cycle), and its deleter then runs during or after the
+teardown that wipes this module's globals: the two callbacks, their C thunks and ``_LIVE``
+(which holds each export's ``DLManagedTensor``) are kept alive for the process's life, and
+the callbacks reach nothing through the module's globals (their defaults hold what they
+use). Freed with the module, they were a jump to freed memory: exit status 139.
 """
 
 from __future__ import annotations
 
 import ctypes
 import itertools
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +26,7 @@ import numpy as np
 from .dtypes import dtype_name
 from .errors import InvalidArgument
 
-__all__ = ["KDL_CPU", "KDL_CUDA", "export", "live_exports"]
+__all__ = ["KDL_CPU", "KDL_CUDA", "export", "live_exports", "read_host_bfloat16"]
 
 KDL_CPU = 1
 KDL_CUDA = 2
@@ -53,19 +61,22 @@ _LIVE: dict[int, tuple[Any, ...]] = {}
 _KEYS = itertools.count(1)
 
 
-def _delete(managed: Any) -> None:
+def _delete(managed: Any, _live: dict[int, tuple[Any, ...]] = _LIVE,
+            _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
     # No lock (dict get and pop are atomic under the GIL): a garbage collection inside a
     # locked region may run a deleter on the same thread. The let-go is told first and the
     # export dropped after it, so an interrupt (Ctrl-C) between the two leaves the export
     # held, its memory pinned (a leak), rather than released without the consumer's mark.
+    # While the interpreter ends nothing is told (the runtime's modules may be gone).
     key = managed.contents.manager_ctx
-    entry = _LIVE.get(key)
-    if entry is not None and entry[3] is not None:
+    entry = _live.get(key)
+    if entry is not None and entry[3] is not None and not _finalizing():
         entry[3]()  # the consumer let go: told while the owner still holds the memory
-    _LIVE.pop(key, None)
+    _live.pop(key, None)
 
 
 _DELETE = _DELETER(_delete)
+_MANAGED_POINTER = ctypes.POINTER(DLManagedTensor)
 _CAPSULE_DESTRUCTOR = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 _NAME = b"dltensor"
 # Our own prototypes of the C API: setting argtypes on ctypes.pythonapi's shared function
@@ -82,7 +93,11 @@ _capsule_get_pointer_obj = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object,
     ("PyCapsule_GetPointer", ctypes.pythonapi))
 
 
-def _capsule_gone(capsule: int) -> None:
+def _capsule_gone(capsule: int, _err_occurred: Any = _err_occurred,
+                  _capsule_is_valid: Any = _capsule_is_valid,
+                  _capsule_get_pointer: Any = _capsule_get_pointer, _name: bytes = _NAME,
+                  _cast: Any = ctypes.cast, _managed: Any = _MANAGED_POINTER,
+                  _delete: Callable[[Any], None] = _delete) -> None:
     # A consumer that refuses the tensor (numpy and bfloat16) drops the capsule with its error
     # already set, and ctypes then fails every call that takes arguments, which left the export
     # (and its buffer) held for good. A call without arguments raises that pending error here,
@@ -93,9 +108,9 @@ def _capsule_gone(capsule: int) -> None:
     except BaseException:  # the consumer's error, nothing of ours
         pass
     # Unconsumed capsules still carry the name "dltensor": then the producer frees.
-    if _capsule_is_valid(capsule, _NAME):
-        ptr = _capsule_get_pointer(capsule, _NAME)
-        _delete(ctypes.cast(ptr, ctypes.POINTER(DLManagedTensor)))
+    if _capsule_is_valid(capsule, _name):
+        ptr = _capsule_get_pointer(capsule, _name)
+        _delete(_cast(ptr, _managed))
 
 
 def capsule_pointer(capsule: Any) -> int:
@@ -104,6 +119,10 @@ def capsule_pointer(capsule: Any) -> int:
 
 
 _DESTRUCTOR = _CAPSULE_DESTRUCTOR(_capsule_gone)
+# One reference never given back (see the module's docstring): none of these is ever freed.
+_IMMORTAL = (_DELETE, _DESTRUCTOR, _LIVE, _MANAGED_POINTER, _capsule_new, _capsule_is_valid,
+             _capsule_get_pointer, _err_occurred)
+ctypes.pythonapi.Py_IncRef(ctypes.py_object(_IMMORTAL))
 
 
 def export(ptr: int, shape: tuple[int, ...], dtype: np.dtype, device_type: int, device_id: int,
@@ -124,6 +143,46 @@ def export(ptr: int, shape: tuple[int, ...], dtype: np.dtype, device_type: int, 
     managed.deleter = _DELETE
     _LIVE[key] = (managed, shape_arr, owner, on_release)
     return _capsule_new(ctypes.addressof(managed), _NAME, _DESTRUCTOR)
+
+
+_capsule_set_name = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object, ctypes.c_char_p)(
+    ("PyCapsule_SetName", ctypes.pythonapi))
+_USED = b"used_dltensor"
+
+
+def read_host_bfloat16(obj: Any) -> np.ndarray:
+    """A C-ordered copy of the host (kDLCPU) bfloat16 tensor ``obj`` exports over DLPack:
+    numpy has no DLPack code for bfloat16, so ``np.from_dlpack`` refuses it (torch's, ours).
+    The capsule is consumed as the protocol says (renamed, then its deleter called once the
+    copy is made); anything else (another device or dtype) raises ``ValueError`` and leaves
+    the capsule to its producer."""
+    import ml_dtypes
+
+    capsule = obj.__dlpack__()
+    managed = ctypes.cast(_capsule_get_pointer_obj(capsule, _NAME), _MANAGED_POINTER)
+    tensor = managed.contents.dl_tensor
+    kind = (tensor.device.device_type, tensor.dtype.code, tensor.dtype.bits, tensor.dtype.lanes)
+    if kind != (KDL_CPU, *_CODES["bfloat16"], 1):
+        raise ValueError(f"not a host bfloat16 tensor (device type, code, bits, lanes: {kind})")
+    shape = tuple(tensor.shape[i] for i in range(tensor.ndim))
+    itemsize = 2
+    strides = tuple(tensor.strides[i] * itemsize for i in range(tensor.ndim)) \
+        if tensor.strides else None
+    if strides is None:
+        strides = tuple(int(np.prod(shape[i + 1:], dtype=np.int64)) * itemsize
+                        for i in range(len(shape)))
+    out = np.empty(shape, ml_dtypes.bfloat16)
+    if out.size:
+        low = sum(min(0, (n - 1) * st) for n, st in zip(shape, strides, strict=True))
+        high = sum(max(0, (n - 1) * st) for n, st in zip(shape, strides, strict=True))
+        start = tensor.data + tensor.byte_offset + low
+        memory = (ctypes.c_uint8 * (high - low + itemsize)).from_address(start)
+        out[...] = np.ndarray(shape, ml_dtypes.bfloat16, memory, -low, strides)
+    _capsule_set_name(capsule, _USED)  # ours now: its destructor leaves it alone
+    deleter = managed.contents.deleter
+    if deleter:
+        deleter(managed)
+    return out
 
 
 def live_exports() -> int:

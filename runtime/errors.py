@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "DLPackUnsupported",
     "DeviceError",
     "InvalidArgument",
     "InvalidInput",
@@ -42,6 +43,12 @@ def _rebuild(cls: type[StreamlaneError], args: tuple[Any, ...]) -> StreamlaneErr
 
 class InvalidArgument(StreamlaneError, ValueError):
     """A value passed to streamlane is of the wrong kind, type, dtype, shape or range."""
+
+
+class DLPackUnsupported(InvalidArgument, BufferError):
+    """``__dlpack__`` cannot give what the consumer asked (another device, a copy where none
+    can be made): also a ``BufferError``, which the array API standard has a producer raise
+    there, so a consumer that falls back on it does."""
 
 
 def shown(value: Any, how: Any = repr, limit: int = 200) -> str:

@@ -27,6 +27,7 @@ import numpy as np
 
 from streamlane.kernels import get_kernel
 
+from .dlpack import read_host_bfloat16
 from .dtypes import DTYPES
 from .errors import InvalidArgument, InvalidInput, InvalidState, MethodBusy, NotSupported, shown
 from .event import Event
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Method"]
 
+_BFLOAT16 = DTYPES["bfloat16"]
 OPTIONS = {"clone_outputs": True, "use_shared_stream": False}
 
 # Test-only switch: give every step a private stream with nothing ordering them (the bug of
@@ -239,6 +241,14 @@ class Method:
                                f"reading its array interface raised {exc!r}") from None
         if cai is not None and self.device.kind == "cuda":
             return self._accept_cai(index, value, cai, want, decl.shape, expected)
+        if dlpack and want == _BFLOAT16 and not isinstance(value, np.ndarray):
+            try:  # numpy reads no bfloat16 over DLPack (nor through torch's __array__)
+                array = read_host_bfloat16(value)
+            except Exception:  # not a host bfloat16 tensor: the readers below say what it is
+                pass
+            else:
+                self._check_meta(index, array.dtype, array.shape, want, decl.shape, expected)
+                return array
         if host_readable:
             try:
                 array = np.asarray(value)

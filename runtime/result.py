@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .dtypes import as_host_array, dtype_name
-from .errors import InvalidArgument
+from .errors import DLPackUnsupported, InvalidArgument
 from .memory import Buffer, DeviceArray, _reached, note_use
 from .stream import LEGACY_HANDLE, Stream, current_stream
 
@@ -415,6 +415,9 @@ class Result:
             device = get_device(device)
         if isinstance(array, Result):
             array = array.to_host()
+        elif not isinstance(array, np.ndarray) and hasattr(array, "__dlpack__") and not (
+                hasattr(array, "__array__") or hasattr(array, "__array_interface__")):
+            array = _from_dlpack(array)  # numpy would make it a 0-d object array
         host = as_host_array(array, "from_host", order="C")
         if host.dtype.hasobject:
             raise InvalidArgument(f"from_host: object arrays cannot go to a device ({host.dtype})")
@@ -459,6 +462,22 @@ def _dlpack_device(self: Result) -> tuple[int, int]:
     return (KDL_CUDA, dev.index) if dev.kind == "cuda" else (KDL_CPU, 0)
 
 
+def _from_dlpack(value: Any) -> np.ndarray:
+    """A host DLPack tensor for ``from_host``: bfloat16 through our reader (numpy has no code
+    for it), anything else through ``np.from_dlpack``."""
+    from .dlpack import read_host_bfloat16
+
+    try:
+        return read_host_bfloat16(value)
+    except Exception:
+        pass
+    try:
+        return np.from_dlpack(value)
+    except Exception as exc:
+        raise InvalidArgument(f"from_host: {type(value).__name__} offers DLPack only, and it "
+                              f"cannot be read on the host: {exc}") from None
+
+
 def _dlpack(self: Result, *, stream: Any = None, max_version: Any = None,
             dl_device: Any = None, copy: bool | None = None) -> Any:
     """DLPack export, zero-copy. ``stream`` is the consumer's stream (DLPack protocol): it is
@@ -477,12 +496,12 @@ def _dlpack(self: Result, *, stream: Any = None, max_version: Any = None,
             raise InvalidArgument(f"__dlpack__(dl_device=...) takes a (device type, device id) "
                                   f"pair such as {_dlpack_device(self)}, got {dl_device!r}")
         if wanted != _dlpack_device(self):
-            raise InvalidArgument(f"Result on {self.device.name} cannot be exported to DLPack "
-                                  f"device {wanted}; call to_host() first")
+            raise DLPackUnsupported(f"Result on {self.device.name} cannot be exported to "
+                                    f"DLPack device {wanted}; call to_host() first")
     _check_dlpack_args(stream, max_version, copy)
     if copy and self.device.kind == "cuda":
-        raise InvalidArgument("Result.__dlpack__(copy=True) is not supported on a GPU; export "
-                              "it without a copy, or call to_host() for a host copy")
+        raise DLPackUnsupported("Result.__dlpack__(copy=True) is not supported on a GPU; "
+                                "export it without a copy, or call to_host() for a host copy")
     holder = self._holder if self._holder is not None else self
     from .dlpack import KDL_CPU, KDL_CUDA, export
 
@@ -490,15 +509,15 @@ def _dlpack(self: Result, *, stream: Any = None, max_version: Any = None,
         if self.event is not None:
             self.event.synchronize()  # host consumers read at once
         view = _host_view(self, holder)
+        if copy and max_version is not None and self.dtype_name != "bfloat16":
+            try:  # numpy (>= 2.1) copies, and its versioned capsule says so (IS_COPIED, and
+                return view.__dlpack__(max_version=max_version, copy=True)  # writable)
+            except TypeError:
+                pass
         if copy:  # the consumer asked for memory of its own (DLPack: copy=True)
             view = view.copy()
         if self.dtype_name == "bfloat16":  # numpy has no DLPack code for it; ours does
             return export(view.ctypes.data, self.shape, self.dtype, KDL_CPU, 0, view)
-        if copy and max_version is not None:
-            try:  # a versioned capsule says the copy is writable (numpy >= 2.1 makes one)
-                return view.__dlpack__(max_version=max_version)
-            except TypeError:
-                pass
         return view.__dlpack__()
 
     consumer = _consumer_stream(self, stream)

@@ -96,3 +96,41 @@ def test_a_consumer_that_refuses_the_capsule_releases_its_owner():
     del exporter
     gc.collect()
     assert alive() is None
+
+
+EXPORTS_HELD_TO_THE_END = """
+import sys, numpy as np, ml_dtypes
+from streamlane.runtime import get_device, Result
+from streamlane.runtime.dlpack import KDL_CPU, export
+dev = get_device("host")
+memory = np.arange(4, dtype=np.float32)
+class Export:
+    def __dlpack__(self, stream=None, max_version=None, dl_device=None, copy=None):
+        return export(memory.ctypes.data, (4,), memory.dtype, KDL_CPU, 0, memory)
+    def __dlpack_device__(self):
+        return (KDL_CPU, 0)
+class Cycle:
+    pass
+held = Cycle()
+held.self = held
+held.capsule = Result.from_host(np.ones(4, ml_dtypes.bfloat16), dev).__dlpack__()
+held.array = np.from_dlpack(Export())
+sys.held = (held.capsule, held.array,
+            Result.from_host(np.ones(2, ml_dtypes.bfloat16), dev).__dlpack__())
+print("exiting", float(held.array.sum()))
+"""
+
+
+def test_exports_held_until_the_interpreter_ends_do_not_crash_it():
+    """A consumer may hold an export to the end (a tensor in a module global, a capsule in a
+    reference cycle): its deleter then ran after the teardown had freed this module's ctypes
+    callbacks and the DLManagedTensor they point at: exit status 139, every time."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "STREAMLANE_DEVICE": "host"}
+    proc = subprocess.run([sys.executable, "-c", EXPORTS_HELD_TO_THE_END], capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "exiting 6.0", proc
+    assert "Exception ignored" not in proc.stderr, proc.stderr

@@ -1162,6 +1162,37 @@ def test_dlpack_arguments_are_checked_and_a_host_copy_is_one(host):
     np.testing.assert_array_equal(r.to_host(), 2 * x)
 
 
+def test_a_dlpack_export_it_cannot_give_is_a_buffer_error_and_a_copy_says_so(host):
+    """The array API standard has a producer raise ``BufferError`` for a device it cannot
+    export to (a consumer falls back on it): it was only an ``InvalidArgument``; a versioned
+    capsule of a ``copy=True`` export lacked DLPack's IS_COPIED flag (numpy's has it)."""
+    import ctypes
+
+    from streamlane.runtime.dlpack import DLTensor
+    from streamlane.runtime.errors import DLPackUnsupported
+
+    r = Result.from_host(rand(), host)
+    for dl_device in ((2, 0), (1, 1)):
+        with pytest.raises(BufferError, match="DLPack device") as info:
+            r.__dlpack__(dl_device=dl_device)
+        assert isinstance(info.value, (InvalidArgument, DLPackUnsupported))
+
+    class Version(ctypes.Structure):
+        _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32)]
+
+    class Versioned(ctypes.Structure):  # DLManagedTensorVersioned
+        _fields_ = [("version", Version), ("manager_ctx", ctypes.c_void_p),
+                    ("deleter", ctypes.c_void_p), ("flags", ctypes.c_uint64),
+                    ("dl_tensor", DLTensor)]
+
+    get_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)(
+        ("PyCapsule_GetPointer", ctypes.pythonapi))
+    capsule = r.__dlpack__(max_version=(1, 0), copy=True)
+    flags = Versioned.from_address(get_pointer(capsule, b"dltensor_versioned")).flags
+    assert flags & 2 and not flags & 1  # IS_COPIED, and writable
+    del capsule  # unconsumed: its own deleter frees the copy
+
+
 @pytest.mark.cuda
 def test_torch_takes_results_zero_copy_without_device_sync(cuda_device):
     torch = pytest.importorskip("torch")
@@ -1538,3 +1569,42 @@ def test_a_result_refuses_pickle_and_deepcopy_saying_what_to_do(device):
             refuse(r)
     assert copy.copy(r) is r
     np.testing.assert_array_equal(r.to_host(), np.arange(4))
+
+
+def test_host_bfloat16_comes_in_over_dlpack_as_it_goes_out(host):
+    """bfloat16 left over DLPack (its own type code) but could not come back in: numpy has
+    no such code, so a method input (a torch tensor, our own export) was refused with a
+    leaked ``SystemError`` text, and ``Result.from_host`` of a DLPack-only object spoke of
+    "object arrays"."""
+    from streamlane.runtime.dlpack import live_exports
+
+    class DLPackOnly:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __dlpack__(self, **kwargs):
+            return self.inner.__dlpack__(**kwargs)
+
+        def __dlpack_device__(self):
+            return self.inner.__dlpack_device__()
+
+    def same(stream, ins, outs):
+        outs[0][...] = ins[0]
+
+    builder = Program.build("bf16")
+    mb = builder.method("f", x=("bfloat16", [2, 3]))
+    mb.output(*mb.call(same, ["x"], [("y", "bfloat16", [2, 3])]))
+    method = builder.finish().method("f", device=host)
+    values = np.arange(6, dtype=np.float32).reshape(2, 3).astype(ml_dtypes.bfloat16)
+    exported = Result.from_host(values, host)
+    held = live_exports()  # (another test's, not yet collected)
+    out = method([DLPackOnly(exported)])[0].to_host()
+    assert out.dtype == ml_dtypes.bfloat16 and np.array_equal(out, values)
+    assert live_exports() == held  # consumed: its deleter ran
+    again = Result.from_host(DLPackOnly(exported), host)
+    assert again.dtype_name == "bfloat16" and np.array_equal(again.to_host(), values)
+    plain = Result.from_host(DLPackOnly(np.ones(3, np.float32)), host)
+    assert np.array_equal(plain.to_host(), np.ones(3, np.float32))
+    with pytest.raises(InvalidInput, match="bfloat16"):
+        method([DLPackOnly(np.ones((2, 3), np.float32))])
+    assert live_exports() == held
