@@ -61,8 +61,11 @@ class DependencyFailed(StreamlaneError):
         else:
             self._root, self._root_label = error, dependency.label
             why = "did not complete"
-        super().__init__(f"{job.label} was not run: it depends on {dependency.label}, which "
-                         f"{why} ({type(self._root).__name__}: {self._root})")
+        # Job ids and lanes are counted per scheduler: one of another says so ("#1 depends
+        # on #1" read as a job waiting for itself)
+        theirs = "" if dependency.lane._core is job.lane._core else " of another scheduler"
+        super().__init__(f"{job.label} was not run: it depends on {dependency.label}{theirs}, "
+                         f"which {why} ({type(self._root).__name__}: {self._root})")
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickled or deep-copied, it keeps its message and loses its jobs (``job`` and

@@ -81,6 +81,7 @@ from .timeline import Span, Timeline
 __all__ = ["Scheduler"]
 
 _NEW, _OPEN, _CLOSING, _CLOSED = "new", "open", "closing", "closed"
+_ENTERING = threading.Lock()  # __aenter__'s check and change of the state, as one step
 
 # ``await job`` is always a cancellation point, and a schedule point (a yield to the event loop)
 # at least once per YIELD_EVERY_S of awaits that found their job finished without waiting: a
@@ -144,6 +145,8 @@ def _forget_locals(error: BaseException | None, tb: TracebackType | None) -> Non
 # never holds up the interpreter's exit), so one left open when the process exits is only seen
 # here: a ResourceWarning, as Python gives for an unclosed file or event loop.
 _open_schedulers: weakref.WeakSet[Scheduler] = weakref.WeakSet()
+# The scheduler each method last ran on: another open scheduler refuses it (_claim).
+_owners: weakref.WeakKeyDictionary[Method, weakref.ref[Scheduler]] = weakref.WeakKeyDictionary()
 
 
 @atexit.register
@@ -348,11 +351,12 @@ class Scheduler:
         **Cancellation**: if cancelled while lanes start, the threads are stopped and joined
         before the cancellation propagates.
         """
-        if self._state != _NEW:
-            done = "was closed" if self._state == _CLOSED else "was already entered"
-            raise InvalidState(f"{self!r} {done}; create a new Scheduler")
-        self.waker = LoopWaker()
-        self._state = _OPEN
+        with _ENTERING:  # two threads entering at once: one gets the refusal, not half a start
+            if self._state != _NEW:
+                done = "was closed" if self._state == _CLOSED else "was already entered"
+                raise InvalidState(f"{self!r} {done}; create a new Scheduler")
+            self.waker = LoopWaker()
+            self._state = _OPEN
         _open_schedulers.add(self)
         for lane in self.lanes:
             lane.slots = anyio.Semaphore(self._queue_size)
@@ -396,6 +400,8 @@ class Scheduler:
         if self._state == _CLOSED:
             return
         if self._state == _CLOSING:  # another task is closing: return when it is done
+            # (its event is the closing loop's: from another thread or loop, refuse now)
+            self.check_loop_thread("closing the scheduler")
             if error:
                 self._cancelling = True
             assert self._closed is not None
@@ -575,6 +581,8 @@ class Scheduler:
         if stream is not None and (stream is not self._checked_stream() or stream.closed):
             self._check_stream(stream)
         state = self._methods.get(method)
+        if state is None:  # new here: no other open scheduler may run it
+            self._claim(method)
         while True:  # again only when the method moved while this submit waited for room
             target = self._pick_lane(method, lane, state)
             slots = target.slots
@@ -784,6 +792,21 @@ class Scheduler:
             f"so overlap stops near {queues}x. For wider overlap create the Scheduler with "
             f"timing=False (no timeline), or set CUDA_DEVICE_MAX_CONNECTIONS=32 before CUDA "
             f"initializes", TimingStallWarning, stacklevel=_caller_level())
+
+    def _claim(self, method: Method) -> None:
+        """Make this scheduler the one that runs ``method``, unless another still open does:
+        each would give it to a lane of its own, and two lanes calling one method at once is
+        a ``MethodBusy`` for whichever comes second (half of the jobs of two schedulers
+        sharing a method failed so, at random)."""
+        owner = _owners.get(method)
+        other = owner() if owner is not None else None
+        if other is not None and other is not self and other._state in (_OPEN, _CLOSING):
+            raise InvalidState(
+                f"submit({method.name}): the method runs on {other!r}, which is still open; a "
+                f"method runs on one scheduler at a time (their lanes would call it at once). "
+                f"Bind another for this scheduler (program.method(name, device=...)), or "
+                f"leave that scheduler first")
+        _owners[method] = weakref.ref(self)
 
     def _pick_lane(self, method: Method, lane: SupportsIndex | None,
                    state: _MethodState | None) -> Lane:

@@ -1369,3 +1369,96 @@ async def test_a_failed_jobs_output_says_why_it_has_no_result_and_what_helps(hos
             failed.outputs[0].result  # noqa: B018
         assert "later submit" not in str(info.value)
         await waiting
+
+
+@pytest.mark.anyio
+async def test_a_method_runs_on_one_open_scheduler_at_a_time(host):
+    """Two schedulers sharing a method each gave it to a lane of their own, and whichever
+    lane called it second failed with ``MethodBusy``: half the jobs of an interleaved burst,
+    at random, seen only at the await. The second scheduler now refuses it at ``submit()``
+    while the first is open, and takes it once the first has closed."""
+    from streamlane.sched import DependencyFailed
+
+    method = double_program().method("forward", device=host)
+    async with Scheduler(host, lanes=1) as first, Scheduler(host, lanes=1) as second:
+        np.testing.assert_allclose((await first.run(method, [data(0)]))[0].to_host(),
+                                   2 * data(0))
+        with pytest.raises(InvalidState, match="runs on one scheduler at a time"):
+            await second.submit(method, [data(1)])
+        own = double_program().method("forward", device=host)  # a method of its own: fine
+        np.testing.assert_allclose((await second.run(own, [data(1)]))[0].to_host(),
+                                   2 * data(1))
+    async with Scheduler(host, lanes=1) as third:  # the first has closed
+        np.testing.assert_allclose((await third.run(method, [data(2)]))[0].to_host(),
+                                   2 * data(2))
+    # A dependency on a job of another scheduler says so: ids count per scheduler, and
+    # "#1 depends on #1" read as a job waiting for itself
+    class Unreadable:  # read by the lane thread: the job fails before the device
+        def __array__(self, dtype=None, copy=None):
+            raise ValueError("not today")
+
+    other = double_program("other").method("forward", device=host)
+    async with Scheduler(host, lanes=1) as earlier:
+        bad = await earlier.submit(other, [Unreadable()])
+        with pytest.raises(InvalidInput):
+            await bad
+    fresh = double_program("fresh").method("forward", device=host)
+    async with Scheduler(host, lanes=1) as later:
+        with pytest.raises(DependencyFailed, match="of another scheduler, which did not"):
+            await later.run(fresh, [data(4)], after=[bad])
+
+
+def test_a_scheduler_closing_refuses_another_thread_and_two_threads_entering_one(host):
+    """``aclose()`` from another thread while the owning loop drained waited on that loop's
+    event: for ever on asyncio (a RuntimeError on trio); two threads entering one scheduler
+    at once both passed the state check and started its lanes twice (one hung)."""
+    import asyncio
+
+    method = spin_program(400_000).method("forward", device=host)
+    sched = Scheduler(host, lanes=1)
+    seen = {}
+
+    def close_from_another_thread():
+        time.sleep(0.15)  # the owning loop is draining now
+        try:
+            asyncio.run(asyncio.wait_for(sched.aclose(), 10))
+        except BaseException as exc:
+            seen["error"] = exc
+
+    async def own():
+        async with sched:
+            await sched.submit(method, [data(0)])
+            threading.Thread(target=close_from_another_thread).start()
+
+    started = time.monotonic()
+    asyncio.run(own())
+    while "error" not in seen and time.monotonic() - started < 15:
+        time.sleep(0.01)
+    assert isinstance(seen.get("error"), InvalidState), seen
+    assert "another thread" in str(seen["error"])
+
+    twice = Scheduler(host, lanes=1)
+    barrier = threading.Barrier(2)
+    outcomes = []
+
+    def enter():
+        async def go():
+            barrier.wait(10)
+            try:
+                await twice.__aenter__()
+            except InvalidState as exc:
+                outcomes.append(("refused", str(exc)))
+                return
+            outcomes.append(("entered", ""))
+            await anyio.sleep(0.2)  # the other thread's attempt lands while this one is open
+            await twice.aclose()
+        asyncio.run(go())
+
+    threads = [threading.Thread(target=enter) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads), "an entering thread hung"
+    assert sorted(kind for kind, _ in outcomes) == ["entered", "refused"], outcomes
+    assert "already entered" in next(text for kind, text in outcomes if kind == "refused")
