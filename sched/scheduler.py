@@ -62,6 +62,7 @@ from streamlane.runtime.errors import (
     InvalidArgument,
     InvalidInput,
     InvalidState,
+    MethodBusy,
     NotSupported,
     StreamClosed,
 )
@@ -145,8 +146,19 @@ def _forget_locals(error: BaseException | None, tb: TracebackType | None) -> Non
 # never holds up the interpreter's exit), so one left open when the process exits is only seen
 # here: a ResourceWarning, as Python gives for an unclosed file or event loop.
 _open_schedulers: weakref.WeakSet[Scheduler] = weakref.WeakSet()
-# The scheduler each method last ran on: another open scheduler refuses it (_claim).
-_owners: weakref.WeakKeyDictionary[Method, weakref.ref[Scheduler]] = weakref.WeakKeyDictionary()
+
+
+class _Claim:
+    """Which scheduler a method's jobs go to now (``Scheduler._claim``): one per method, shared
+    by every scheduler's ``_MethodState`` of it, so a submit checks it with one comparison."""
+
+    __slots__ = ("owner",)
+
+    def __init__(self) -> None:
+        self.owner: weakref.ref[Scheduler] | None = None
+
+
+_claims: weakref.WeakKeyDictionary[Method, _Claim] = weakref.WeakKeyDictionary()
 
 
 @atexit.register
@@ -227,11 +239,13 @@ _JOB_ID = operator.attrgetter("job")
 
 
 class _MethodState:
-    __slots__ = ("calls", "kernels_only", "lane", "last")
+    __slots__ = ("calls", "claim", "kernels_only", "lane", "last")
 
-    def __init__(self, lane: Lane, last: weakref.ref[Job], kernels_only: bool, calls: int):
+    def __init__(self, lane: Lane, last: weakref.ref[Job], kernels_only: bool, calls: int,
+                 claim: _Claim):
         self.lane = lane
         self.last = last
+        self.claim = claim
         self.kernels_only = kernels_only  # no user callable (which could block) among its steps
         # An estimate of the driver calls one job queues on the device: a launch per step, the
         # method's event record, two timing records and a stream wait (Lane.HOLD_GIL_BELOW).
@@ -300,6 +314,7 @@ class Scheduler:
         self._methods: weakref.WeakKeyDictionary[Method, _MethodState] = \
             weakref.WeakKeyDictionary()
         self._ids = itertools.count()
+        self._ref = weakref.ref(self)  # what a method's _Claim names
         # Spans are recorded as they are read, which may come after a later job's (a job the
         # loop settles waits for its read: Lane.read_spans): a little more is kept, and
         # timeline() gives the timeline_size latest submitted of those. (A job that settles
@@ -581,7 +596,7 @@ class Scheduler:
         if stream is not None and (stream is not self._checked_stream() or stream.closed):
             self._check_stream(stream)
         state = self._methods.get(method)
-        if state is None:  # new here: no other open scheduler may run it
+        if state is None or state.claim.owner is not self._ref:  # new here, or another took it
             self._claim(method)
         while True:  # again only when the method moved while this submit waited for room
             target = self._pick_lane(method, lane, state)
@@ -675,7 +690,7 @@ class Scheduler:
                 state = self._methods[method] = _MethodState(
                     lane, weakref.ref(job), all(step.kind == "kernel" for step in
                                                 method.definition.steps),
-                    len(method.definition.steps) + 4)
+                    len(method.definition.steps) + 4, _claims[method])
                 lane.methods.add(method)
             else:
                 if state.lane is not lane:
@@ -794,19 +809,27 @@ class Scheduler:
             f"initializes", TimingStallWarning, stacklevel=_caller_level())
 
     def _claim(self, method: Method) -> None:
-        """Make this scheduler the one that runs ``method``, unless another still open does:
-        each would give it to a lane of its own, and two lanes calling one method at once is
-        a ``MethodBusy`` for whichever comes second (half of the jobs of two schedulers
-        sharing a method failed so, at random)."""
-        owner = _owners.get(method)
-        other = owner() if owner is not None else None
-        if other is not None and other is not self and other._state in (_OPEN, _CLOSING):
-            raise InvalidState(
-                f"submit({method.name}): the method runs on {other!r}, which is still open; a "
-                f"method runs on one scheduler at a time (their lanes would call it at once). "
-                f"Bind another for this scheduler (program.method(name, device=...)), or "
-                f"leave that scheduler first")
-        _owners[method] = weakref.ref(self)
+        """Make this scheduler the one whose lanes run ``method`` now, unless another has jobs
+        of it not yet finished: each scheduler gives a method to a lane of its own, and two
+        lanes calling one method at once is a ``MethodBusy`` for whichever comes second (half
+        the jobs of two schedulers sharing a method failed so, at random, at their await).
+        One after the other, two schedulers may share it (rule 4 orders the hand-over)."""
+        claim = _claims.get(method)
+        if claim is None:
+            claim = _claims[method] = _Claim()
+        other = claim.owner() if claim.owner is not None else None
+        if other is not None and other is not self and other._runs(method):
+            raise MethodBusy(
+                f"submit({method.name}): the method has jobs not yet finished on {other!r}; "
+                f"two schedulers' lanes would call it at once. Await those first, or bind one "
+                f"method per scheduler (program.method(name, device=...))")
+        claim.owner = self._ref
+
+    def _runs(self, method: Method) -> bool:
+        """Whether a job of ``method`` submitted here has not finished (any thread)."""
+        state = self._methods.get(method)
+        last = state.last() if state is not None else None
+        return last is not None and not last._finished
 
     def _pick_lane(self, method: Method, lane: SupportsIndex | None,
                    state: _MethodState | None) -> Lane:
