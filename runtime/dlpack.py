@@ -150,14 +150,19 @@ _capsule_set_name = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object, ctypes.c_c
 _USED = b"used_dltensor"
 
 
-def read_host_bfloat16(obj: Any) -> np.ndarray:
+def read_host_bfloat16(obj: Any, check: Callable[[tuple[int, ...]], None] | None = None
+                       ) -> np.ndarray:
     """A C-ordered copy of the host (kDLCPU) bfloat16 tensor ``obj`` exports over DLPack:
     numpy has no DLPack code for bfloat16, so ``np.from_dlpack`` refuses it (torch's, ours).
     The capsule is consumed as the protocol says (renamed, then its deleter called once the
     copy is made); anything else (another device or dtype) raises ``ValueError`` and leaves
-    the capsule to its producer."""
+    the capsule to its producer. ``check(shape)`` may refuse the tensor (it raises) before
+    anything is allocated or copied."""
     import ml_dtypes
 
+    where = obj.__dlpack_device__()  # asked first: a GPU producer's export may synchronize
+    if int(where[0]) != KDL_CPU:
+        raise ValueError(f"not a host tensor (DLPack device {tuple(where)})")
     capsule = obj.__dlpack__()
     managed = ctypes.cast(_capsule_get_pointer_obj(capsule, _NAME), _MANAGED_POINTER)
     tensor = managed.contents.dl_tensor
@@ -165,6 +170,8 @@ def read_host_bfloat16(obj: Any) -> np.ndarray:
     if kind != (KDL_CPU, *_CODES["bfloat16"], 1):
         raise ValueError(f"not a host bfloat16 tensor (device type, code, bits, lanes: {kind})")
     shape = tuple(tensor.shape[i] for i in range(tensor.ndim))
+    if check is not None:
+        check(shape)
     itemsize = 2
     strides = tuple(tensor.strides[i] * itemsize for i in range(tensor.ndim)) \
         if tensor.strides else None

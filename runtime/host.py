@@ -67,6 +67,10 @@ class _Worker:
         with self._lock:  # a stop() between the check and the put would strand the item
             # Work that a step running on this stream adds to it (a callable step recording an
             # event on the stream it is handed) still runs once the stream is stopping (_run)
+            if self.pid != os.getpid():  # a forked child: this stream's thread is not here
+                raise StreamClosed(f"host stream {self.id:#x} belongs to the parent process (a "
+                                   f"fork copies only the forking thread); its work would never "
+                                   f"run here")
             if self.stopped and threading.current_thread() is not self.thread:
                 # a borrowed handle of a stream its owner closed, or a close() on another
                 # thread after this work's own check of the stream: it is lost

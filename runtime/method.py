@@ -242,12 +242,16 @@ class Method:
         if cai is not None and self.device.kind == "cuda":
             return self._accept_cai(index, value, cai, want, decl.shape, expected)
         if dlpack and want == _BFLOAT16 and not isinstance(value, np.ndarray):
+            def check(shape: tuple[int, ...]) -> None:  # before the copy is allocated
+                self._check_meta(index, want, shape, want, decl.shape, expected)
+
             try:  # numpy reads no bfloat16 over DLPack (nor through torch's __array__)
-                array = read_host_bfloat16(value)
+                array = read_host_bfloat16(value, check)
+            except (InvalidInput, MemoryError):
+                raise
             except Exception:  # not a host bfloat16 tensor: the readers below say what it is
                 pass
             else:
-                self._check_meta(index, array.dtype, array.shape, want, decl.shape, expected)
                 return array
         if host_readable:
             try:

@@ -415,9 +415,14 @@ class Result:
             device = get_device(device)
         if isinstance(array, Result):
             array = array.to_host()
-        elif not isinstance(array, np.ndarray) and hasattr(array, "__dlpack__") and not (
-                hasattr(array, "__array__") or hasattr(array, "__array_interface__")):
-            array = _from_dlpack(array)  # numpy would make it a 0-d object array
+        elif not isinstance(array, np.ndarray) and hasattr(array, "__dlpack__"):
+            try:  # a host bfloat16 tensor (torch's __array__ refuses it), read ourselves
+                array = _read_host_bfloat16(array)
+            except MemoryError:
+                raise
+            except Exception:  # not one: as any other array, DLPack-only ones through numpy
+                if not (hasattr(array, "__array__") or hasattr(array, "__array_interface__")):
+                    array = _from_dlpack(array)  # numpy would make it a 0-d object array
         host = as_host_array(array, "from_host", order="C")
         if host.dtype.hasobject:
             raise InvalidArgument(f"from_host: object arrays cannot go to a device ({host.dtype})")
@@ -462,15 +467,14 @@ def _dlpack_device(self: Result) -> tuple[int, int]:
     return (KDL_CUDA, dev.index) if dev.kind == "cuda" else (KDL_CPU, 0)
 
 
-def _from_dlpack(value: Any) -> np.ndarray:
-    """A host DLPack tensor for ``from_host``: bfloat16 through our reader (numpy has no code
-    for it), anything else through ``np.from_dlpack``."""
+def _read_host_bfloat16(value: Any) -> np.ndarray:
     from .dlpack import read_host_bfloat16
 
-    try:
-        return read_host_bfloat16(value)
-    except Exception:
-        pass
+    return read_host_bfloat16(value)
+
+
+def _from_dlpack(value: Any) -> np.ndarray:
+    """A DLPack-only host tensor for ``from_host``, through ``np.from_dlpack``."""
     try:
         return np.from_dlpack(value)
     except Exception as exc:

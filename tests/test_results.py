@@ -1608,3 +1608,50 @@ def test_host_bfloat16_comes_in_over_dlpack_as_it_goes_out(host):
     with pytest.raises(InvalidInput, match="bfloat16"):
         method([DLPackOnly(np.ones((2, 3), np.float32))])
     assert live_exports() == held
+
+
+def test_a_bfloat16_tensor_is_checked_before_it_is_copied_and_taken_beside_array(host):
+    """A bfloat16 method input over DLPack was copied whole before its shape was checked
+    (``expand(2**30)`` of one element: 13.7 s and 2 GB, then the shape error; a larger one
+    ran out of memory and was reported as unreadable); ``Result.from_host`` of a tensor whose
+    ``__array__`` refuses bfloat16 (torch's) was refused although it offers DLPack."""
+    from streamlane.runtime.dlpack import KDL_CPU, export, live_exports
+
+    one = np.zeros(1, ml_dtypes.bfloat16)
+
+    class Huge:  # claims 2**40 elements over one: read, it would fault; checked, refused
+        def __dlpack__(self, **kwargs):
+            return export(one.ctypes.data, (1 << 40,), one.dtype, KDL_CPU, 0, one)
+
+        def __dlpack_device__(self):
+            return (KDL_CPU, 0)
+
+    def same(stream, ins, outs):
+        outs[0][...] = ins[0]
+
+    builder = Program.build("bf16shape")
+    mb = builder.method("f", x=("bfloat16", [2, 3]))
+    mb.output(*mb.call(same, ["x"], [("y", "bfloat16", [2, 3])]))
+    method = builder.finish().method("f", device=host)
+    held = live_exports()
+    with pytest.raises(InvalidInput, match=r"1099511627776"):
+        method([Huge()])
+    gc.collect()
+    assert live_exports() == held  # refused before consumed: its producer freed it
+
+    values = np.arange(6, dtype=np.float32).reshape(2, 3).astype(ml_dtypes.bfloat16)
+    source = Result.from_host(values, host)
+
+    class TorchLike:  # an __array__ that refuses bfloat16, as torch's does
+        def __array__(self, dtype=None, copy=None):
+            raise TypeError("Got unsupported ScalarType BFloat16")
+
+        def __dlpack__(self, **kwargs):
+            return source.__dlpack__(**kwargs)
+
+        def __dlpack_device__(self):
+            return source.__dlpack_device__()
+
+    uploaded = Result.from_host(TorchLike(), host)
+    assert uploaded.dtype_name == "bfloat16" and np.array_equal(uploaded.to_host(), values)
+    np.testing.assert_array_equal(method([TorchLike()])[0].to_host(), values)

@@ -1160,7 +1160,7 @@ async def test_a_method_in_use_by_another_scheduler_is_refused_at_submit(device)
         async with Scheduler(device, lanes=1) as one, Scheduler(device, lanes=1) as two:
             held = await one.submit(method, [gate])
             await anyio.to_thread.run_sync(gate.entered.wait, 5)
-            with pytest.raises(MethodBusy, match=r"not yet finished.*one method per scheduler"):
+            with pytest.raises(MethodBusy, match=r"not yet enqueued.*one method per scheduler"):
                 await two.submit(method, [data(6)])
             gate.open()
             (y,) = await held
@@ -1465,3 +1465,39 @@ def test_a_scheduler_closing_refuses_another_thread_and_two_threads_entering_one
     assert not any(t.is_alive() for t in threads), "an entering thread hung"
     assert sorted(kind for kind, _ in outcomes) == ["entered", "refused"], outcomes
     assert "already entered" in next(text for kind, text in outcomes if kind == "refused")
+
+
+@pytest.mark.anyio
+async def test_a_submit_that_waited_for_room_checks_the_methods_claim_again(host):
+    """A submit that took a method's claim and then waited for room on its full lane did not
+    look again: another scheduler took the method meanwhile, and the job, accepted, failed
+    with ``MethodBusy`` at its await. It is refused as it resumes now."""
+    from streamlane.runtime.errors import MethodBusy
+
+    shared = double_program("shared").method("forward", device=host)
+    filler = double_program("filler").method("forward", device=host)
+    gate_a, gate_b = Gate(data(0)), Gate(data(1))
+    outcome = {}
+    with anyio.fail_after(30):
+        async with Scheduler(host, lanes=1, queue_size=1) as a, \
+                Scheduler(host, lanes=1) as b:
+            held = await a.submit(filler, [gate_a])  # a's only room, its lane thread held
+            await anyio.to_thread.run_sync(gate_a.entered.wait, 5)
+
+            async def waiting():
+                try:
+                    outcome["job"] = await a.submit(shared, [data(2)])
+                except MethodBusy as exc:
+                    outcome["error"] = exc
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(waiting)
+                await anyio.sleep(0.05)  # it waits for room on a's lane
+                taken = await b.submit(shared, [gate_b])  # b takes the method meanwhile
+                await anyio.to_thread.run_sync(gate_b.entered.wait, 5)
+                gate_a.open()  # room: the waiting submit goes on, b's lane still inside
+                await held
+            gate_b.open()
+            (y,) = await taken
+    assert "error" in outcome, outcome
+    np.testing.assert_allclose(y.to_host(), 2 * data(1), rtol=1e-6)

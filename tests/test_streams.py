@@ -902,3 +902,35 @@ def test_a_forked_child_does_not_hang_on_the_host_streams_of_threads_it_lacks():
     proc = subprocess.run([sys.executable, "-W", "ignore::DeprecationWarning", "-c", code],
                           capture_output=True, text=True, timeout=60)
     assert proc.stdout.strip() == "exit 7", proc.stdout + proc.stderr
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_using_a_parent_host_stream_is_refused_not_hung():
+    """A fork copies only the forking thread: work the child gave a host stream of the parent
+    went to a queue no thread drains, and the child hung at its first wait."""
+    code = (
+        "import os, time, numpy as np\n"
+        "from streamlane.runtime import get_device, Program\n"
+        "from streamlane.runtime.errors import StreamClosed\n"
+        "dev = get_device('host')\n"
+        "b = Program.build('p'); m = b.method('f', x=('float32', [4]))\n"
+        "m.output(m.step('relu', 'x')); method = b.finish().method('f', device=dev)\n"
+        "x = np.ones(4, np.float32); method([x])[0].to_host()\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    try:\n"
+        "        method([x])[0].to_host()\n"
+        "        os._exit(1)\n"
+        "    except StreamClosed as exc:\n"
+        "        os._exit(7 if 'parent process' in str(exc) else 2)\n"
+        "deadline = time.monotonic() + 20\n"
+        "while time.monotonic() < deadline:\n"
+        "    got, status = os.waitpid(pid, os.WNOHANG)\n"
+        "    if got:\n"
+        "        print('exit', os.waitstatus_to_exitcode(status)); break\n"
+        "    time.sleep(0.05)\n"
+        "else:\n"
+        "    os.kill(pid, 9); os.waitpid(pid, 0); print('hung')\n")
+    proc = subprocess.run([sys.executable, "-W", "ignore::DeprecationWarning", "-c", code],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.stdout.strip() == "exit 7", proc.stdout + proc.stderr
