@@ -630,6 +630,8 @@ class Scheduler:
                     # to its lane, with the inputs and after= checked (and copied, consumed)
                     # before the wait: the caller may have reused them since.
                     state = self._methods.get(method)
+                    if state is None or state.claim.owner is not self._ref:
+                        self._claim(method)  # another scheduler may have taken it meanwhile
                     if lane is None and state is not None and state.lane is not target:
                         slots.release()
                         held = False
@@ -810,9 +812,10 @@ class Scheduler:
 
     def _claim(self, method: Method) -> None:
         """Make this scheduler the one whose lanes run ``method`` now, unless another has jobs
-        of it not yet finished: each scheduler gives a method to a lane of its own, and two
-        lanes calling one method at once is a ``MethodBusy`` for whichever comes second (half
-        the jobs of two schedulers sharing a method failed so, at random, at their await).
+        of it not yet enqueued (``_runs``): each scheduler gives a method to a lane of its
+        own, and two lanes calling one method at once is a ``MethodBusy`` for whichever comes
+        second (half the jobs of two schedulers sharing a method failed so, at random, at
+        their await).
         One after the other, two schedulers may share it (rule 4 orders the hand-over)."""
         claim = _claims.get(method)
         if claim is None:
@@ -820,16 +823,19 @@ class Scheduler:
         other = claim.owner() if claim.owner is not None else None
         if other is not None and other is not self and other._runs(method):
             raise MethodBusy(
-                f"submit({method.name}): the method has jobs not yet finished on {other!r}; "
+                f"submit({method.name}): the method has jobs not yet enqueued on {other!r}; "
                 f"two schedulers' lanes would call it at once. Await those first, or bind one "
                 f"method per scheduler (program.method(name, device=...))")
         claim.owner = self._ref
 
     def _runs(self, method: Method) -> bool:
-        """Whether a job of ``method`` submitted here has not finished (any thread)."""
+        """Whether a lane of this scheduler may still call ``method`` (any thread): its last
+        job here is neither finished nor enqueued (a lane enqueues a method's jobs in order;
+        once enqueued, rule 4 orders the next caller after them on the device). A job
+        enqueued by a scheduler whose loop has ended does not hold the method for ever."""
         state = self._methods.get(method)
         last = state.last() if state is not None else None
-        return last is not None and not last._finished
+        return last is not None and not last._finished and not last._is_published
 
     def _pick_lane(self, method: Method, lane: SupportsIndex | None,
                    state: _MethodState | None) -> Lane:
