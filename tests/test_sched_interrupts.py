@@ -689,7 +689,7 @@ def test_a_raw_signal_handler_may_look_at_the_scheduler(backend):
     hang (it waited forever for a lane's lock held by the frame it interrupted) nor disturb
     the work: every result right, every job counted once."""
     out = _run(SIGNAL_OBSERVER, backend, HERE)
-    assert out.returncode == 0, out
+    assert out.returncode == 0, out.stdout + out.stderr  # whole: faulthandler's stacks
     jobs = int(out.stdout.split("JOBS ")[1].split()[0])
     assert jobs > 0 and f"JOBS {jobs} COMPLETED {jobs} LOOKED True BAD []" in out.stdout, out
 
