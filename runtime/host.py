@@ -56,7 +56,9 @@ class _Worker:
         # A per-thread stream's worker: the Stream a callable step running on it is handed
         # (HostDevice._enqueue_callable)
         self.handed: Stream | None = None
-        self._lock = threading.Lock()  # put() and stop(): nothing lands behind the sentinel
+        # put() and stop(): nothing lands behind the sentinel. Re-entrant: a signal handler
+        # may run on this thread inside put() and give this stream work of its own.
+        self._lock = threading.RLock()
         self.thread = threading.Thread(target=self._run, name=f"streamlane-host-{name}",
                                        daemon=True)
         with device._every_lock:  # until its thread ends (the thread holds it)
@@ -64,14 +66,15 @@ class _Worker:
         self.thread.start()
 
     def put(self, item: Callable[[], None]) -> None:
+        if self.pid != os.getpid():  # a forked child: this stream's thread is not here
+            raise StreamClosed(f"host stream {self.id:#x} belongs to the parent process (a "
+                               f"fork copies only the forking thread); its work would never "
+                               f"run here")
+        # Work that a step running on this stream adds to it (a callable step recording an
+        # event on the stream it is handed) still runs once the stream is stopping (_run)
+        own = threading.current_thread() is self.thread
         with self._lock:  # a stop() between the check and the put would strand the item
-            # Work that a step running on this stream adds to it (a callable step recording an
-            # event on the stream it is handed) still runs once the stream is stopping (_run)
-            if self.pid != os.getpid():  # a forked child: this stream's thread is not here
-                raise StreamClosed(f"host stream {self.id:#x} belongs to the parent process (a "
-                                   f"fork copies only the forking thread); its work would never "
-                                   f"run here")
-            if self.stopped and threading.current_thread() is not self.thread:
+            if self.stopped and not own:
                 # a borrowed handle of a stream its owner closed, or a close() on another
                 # thread after this work's own check of the stream: it is lost
                 raise StreamClosed(f"host stream {self.id:#x} was destroyed by its owner (a "
