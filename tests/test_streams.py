@@ -874,6 +874,26 @@ def test_a_callable_step_may_record_on_its_stream_after_the_thread_that_queued_i
     np.testing.assert_array_equal(box["out"][0].to_host(), np.full(4, 2.0, np.float32))
 
 
+# The parent's side of the fork tests: how the child ended, or "hung" (killed after 20 s)
+_WAIT_FOR = (
+    "import os, time\n"
+    "def wait_for(pid):\n"
+    "    deadline = time.monotonic() + 20\n"
+    "    while time.monotonic() < deadline:\n"
+    "        got, status = os.waitpid(pid, os.WNOHANG)\n"
+    "        if got:\n"
+    "            return f'exit {os.waitstatus_to_exitcode(status)}'\n"
+    "        time.sleep(0.05)\n"
+    "    os.kill(pid, 9); os.waitpid(pid, 0)\n"
+    "    return 'hung'\n")
+
+
+def _expect_child_exit_7(code: str) -> None:
+    proc = subprocess.run([sys.executable, "-W", "ignore::DeprecationWarning", "-c",
+                           _WAIT_FOR + code], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.strip() == "exit 7", proc.stdout + proc.stderr
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_a_forked_child_does_not_hang_on_the_host_streams_of_threads_it_lacks():
     """At a fork, the child drops the other threads' thread-locals, so each one's per-thread
@@ -890,18 +910,8 @@ def test_a_forked_child_does_not_hang_on_the_host_streams_of_threads_it_lacks():
         "pid = os.fork()\n"
         "if pid == 0:\n"
         "    os._exit(7)\n"
-        "deadline = time.monotonic() + 20\n"
-        "while time.monotonic() < deadline:\n"
-        "    got, status = os.waitpid(pid, os.WNOHANG)\n"
-        "    if got:\n"
-        "        print('exit', os.waitstatus_to_exitcode(status)); break\n"
-        "    time.sleep(0.05)\n"
-        "else:\n"
-        "    os.kill(pid, 9); os.waitpid(pid, 0); print('hung')\n"
-        "done.set()\n")
-    proc = subprocess.run([sys.executable, "-W", "ignore::DeprecationWarning", "-c", code],
-                          capture_output=True, text=True, timeout=60)
-    assert proc.stdout.strip() == "exit 7", proc.stdout + proc.stderr
+        "print(wait_for(pid)); done.set()\n")
+    _expect_child_exit_7(code)
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
@@ -923,14 +933,5 @@ def test_a_forked_child_using_a_parent_host_stream_is_refused_not_hung():
         "        os._exit(1)\n"
         "    except StreamClosed as exc:\n"
         "        os._exit(7 if 'parent process' in str(exc) else 2)\n"
-        "deadline = time.monotonic() + 20\n"
-        "while time.monotonic() < deadline:\n"
-        "    got, status = os.waitpid(pid, os.WNOHANG)\n"
-        "    if got:\n"
-        "        print('exit', os.waitstatus_to_exitcode(status)); break\n"
-        "    time.sleep(0.05)\n"
-        "else:\n"
-        "    os.kill(pid, 9); os.waitpid(pid, 0); print('hung')\n")
-    proc = subprocess.run([sys.executable, "-W", "ignore::DeprecationWarning", "-c", code],
-                          capture_output=True, text=True, timeout=60)
-    assert proc.stdout.strip() == "exit 7", proc.stdout + proc.stderr
+        "print(wait_for(pid))\n")
+    _expect_child_exit_7(code)
