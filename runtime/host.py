@@ -41,6 +41,13 @@ _POISON = 0xFF  # fresh memory reads as NaN in float32, so an unwritten output i
 MAX_INJECTED_DELAY_S = 86_400.0  # a day: anything longer is a mistake (time.sleep overflows)
 
 
+# This process's id, kept current in a forked child: os.getpid() is a system call (0.25 us),
+# and put() runs for every piece of host work.
+_PROCESS = [os.getpid()]
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=lambda: _PROCESS.__setitem__(0, os.getpid()))
+
+
 class _Worker:
     """One host stream: a daemon thread running queued callables in order."""
 
@@ -52,7 +59,7 @@ class _Worker:
         self.queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self.stopped = False
         self.drained = threading.Event()  # set when its thread has run everything and ends
-        self.pid = os.getpid()  # a forked child has no such thread to wait for (_drain)
+        self.pid = _PROCESS[0]  # a forked child has no such thread (put, _drain)
         # A per-thread stream's worker: the Stream a callable step running on it is handed
         # (HostDevice._enqueue_callable)
         self.handed: Stream | None = None
@@ -66,7 +73,7 @@ class _Worker:
         self.thread.start()
 
     def put(self, item: Callable[[], None]) -> None:
-        if self.pid != os.getpid():  # a forked child: this stream's thread is not here
+        if self.pid != _PROCESS[0]:  # a forked child: this stream's thread is not here
             raise StreamClosed(f"host stream {self.id:#x} belongs to the parent process (a "
                                f"fork copies only the forking thread); its work would never "
                                f"run here")
@@ -146,6 +153,8 @@ class _ThreadStream:
 
 def _drain(worker: _Worker, stream: Stream) -> None:
     stream._thread_ended()
+    # (os.getpid(): at a fork, the child drops the other threads' holders before _PROCESS is
+    # brought up to date)
     if worker.pid != os.getpid():  # a forked child's copy of a thread: its worker was not
         return  # copied (only the forking thread is), so nothing runs there to wait for
     worker.stop()
