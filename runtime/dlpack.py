@@ -173,12 +173,9 @@ def read_host_bfloat16(obj: Any, check: Callable[[tuple[int, ...]], None] | None
     if check is not None:
         check(shape)
     itemsize = 2
-    strides = tuple(tensor.strides[i] * itemsize for i in range(tensor.ndim)) \
-        if tensor.strides else None
-    if strides is None:
-        strides = tuple(int(np.prod(shape[i + 1:], dtype=np.int64)) * itemsize
-                        for i in range(len(shape)))
     out = np.empty(shape, ml_dtypes.bfloat16)
+    strides = tuple(tensor.strides[i] * itemsize for i in range(tensor.ndim)) \
+        if tensor.strides else out.strides  # NULL strides: C order, as ``out`` has
     if out.size:
         low = sum(min(0, (n - 1) * st) for n, st in zip(shape, strides, strict=True))
         high = sum(max(0, (n - 1) * st) for n, st in zip(shape, strides, strict=True))
