@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .dlpack import read_host_bfloat16
 from .dtypes import as_host_array, dtype_name
 from .errors import DLPackUnsupported, InvalidArgument
 from .memory import Buffer, DeviceArray, _reached, note_use
@@ -416,13 +417,7 @@ class Result:
         if isinstance(array, Result):
             array = array.to_host()
         elif not isinstance(array, np.ndarray) and hasattr(array, "__dlpack__"):
-            try:  # a host bfloat16 tensor (torch's __array__ refuses it), read ourselves
-                array = _read_host_bfloat16(array)
-            except MemoryError:
-                raise
-            except Exception:  # not one: as any other array, DLPack-only ones through numpy
-                if not (hasattr(array, "__array__") or hasattr(array, "__array_interface__")):
-                    array = _from_dlpack(array)  # numpy would make it a 0-d object array
+            array = _from_dlpack(array)
         host = as_host_array(array, "from_host", order="C")
         if host.dtype.hasobject:
             raise InvalidArgument(f"from_host: object arrays cannot go to a device ({host.dtype})")
@@ -467,19 +462,27 @@ def _dlpack_device(self: Result) -> tuple[int, int]:
     return (KDL_CUDA, dev.index) if dev.kind == "cuda" else (KDL_CPU, 0)
 
 
-def _read_host_bfloat16(value: Any) -> np.ndarray:
-    from .dlpack import read_host_bfloat16
-
-    return read_host_bfloat16(value)
-
-
-def _from_dlpack(value: Any) -> np.ndarray:
-    """A DLPack-only host tensor for ``from_host``, through ``np.from_dlpack``."""
+def _from_dlpack(value: Any) -> Any:
+    """``from_host``'s reading of an object that offers DLPack: numpy's own reading first when
+    it has one (``__array__``: torch's; one export less), our reader for a host bfloat16
+    tensor (numpy has no DLPack code for it; torch's ``__array__`` refuses it), else
+    ``np.from_dlpack`` (numpy would make a DLPack-only object a 0-d object array)."""
+    if hasattr(value, "__array__") or hasattr(value, "__array_interface__"):
+        try:
+            return np.asarray(value)
+        except Exception:  # torch's bfloat16: read below
+            pass
+    try:
+        return read_host_bfloat16(value)
+    except MemoryError:
+        raise
+    except Exception:  # not a host bfloat16 tensor
+        pass
     try:
         return np.from_dlpack(value)
     except Exception as exc:
-        raise InvalidArgument(f"from_host: {type(value).__name__} offers DLPack only, and it "
-                              f"cannot be read on the host: {exc}") from None
+        raise InvalidArgument(f"from_host: {type(value).__name__} cannot be read on the host "
+                              f"(numpy, DLPack): {exc}") from None
 
 
 def _dlpack(self: Result, *, stream: Any = None, max_version: Any = None,
