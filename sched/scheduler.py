@@ -801,7 +801,7 @@ class Scheduler:
         shows the warning runs inside the scheduler, where observers only read
         (``_reentry``): what they read is brought up to date first, every job the device
         has finished settled."""
-        self._bring_up_to_date()
+        self._bring_up_to_date(at_most=None)
         warnings.warn(
             f"{queues + 1} streams have timed jobs pending on {self.device.name}, more than "
             f"its {queues} hardware queues (CUDA_DEVICE_MAX_CONNECTIONS): streams now share "
@@ -1180,14 +1180,12 @@ class Scheduler:
         self._release_loop_job()
         if self._parked is not None:
             self.start_parked()
-        pending = self._pending
-        for job in list(pending if at_most is None or len(pending) <= at_most
-                        else itertools.islice(pending, at_most)):
+        for job in list(itertools.islice(self._pending, at_most)):
             job.lane.observe(job)
 
-    def _bring_up_to_date(self) -> bool:
+    def _bring_up_to_date(self, at_most: int | None = OBSERVE_AT_MOST) -> bool:
         """Before an observer reads: settle the jobs the device has finished, among at most
-        ``OBSERVE_AT_MOST`` of those pending (from a task of the loop; the lone job the loop
+        ``at_most`` of those pending (None: all; from a task of the loop; the lone job the loop
         kept is handed to the waiter, a held-back one started; from the loop's own code, a
         raw signal handler landing there, only the hand-over: settling there more than
         ``pending`` and ``done()`` do lost a wakeup, 1 run in 40 of the signal test),
@@ -1196,9 +1194,9 @@ class Scheduler:
         brought the scheduler up to date."""
         if not self.may_update():
             return False
-        if self._state is _NEW or (self.waker.on_loop() and self.waker.in_task()):
-            self._settle_finished(OBSERVE_AT_MOST)  # (nothing to settle before the entry)
-        else:  # the loop's own code (a raw signal handler landing there), or another thread
+        if self._state is not _NEW and self.waker.on_loop() and self.waker.in_task():
+            self._settle_finished(at_most)
+        else:  # the loop's own code (a raw signal handler landing there), another thread
             self._release_loop_job()
         self._read_spans()
         self.observed()
