@@ -27,7 +27,7 @@ from streamlane.kernels import (
     kernel_names,
 )
 
-from .dtypes import as_host_array
+from .dtypes import as_host_array, dtype_name
 from .errors import InvalidArgument
 from .event import Event
 from .memory import Buffer, DeviceArray
@@ -539,6 +539,7 @@ def _check_dtype(dtype: Any) -> np.dtype:
     if dt.hasobject:
         raise InvalidArgument(f"dtype {dt} holds Python objects, which device memory cannot; "
                               f"convert the array to a numeric dtype first")
+    dtype_name(dt)  # InvalidArgument naming the supported dtypes: no complex, text or records
     return dt
 
 

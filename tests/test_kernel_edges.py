@@ -604,6 +604,17 @@ def test_launch_refuses_dtypes_no_source_was_written_for(device, dtype):
         device.launch("relu", s, [x], [y])
 
 
+@pytest.mark.parametrize("dtype", ["complex64", "U3", "V8", [("a", "f4")], "datetime64[s]"])
+def test_empty_and_to_device_refuse_dtypes_streamlane_does_not_know(device, dtype):
+    """Device memory holds the dtypes a Result can carry; a complex, text, void or record dtype
+    is refused with the list, not allocated for kernels to misread."""
+    s = device.per_thread_stream()
+    with pytest.raises(InvalidArgument, match="not supported; supported: float32"):
+        device.empty((4,), dtype)
+    with pytest.raises(InvalidArgument, match="not supported"):
+        device.to_device(np.zeros(4, dtype), s)
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float64", "int32"])
 def test_programs_refuse_dtypes_kernels_do_not_take(device, dtype):
     with pytest.raises(InvalidProgram) as info:
