@@ -33,6 +33,9 @@ __all__ = ["Span", "Timeline"]
 # Past this many tracks, plot() packs the caller streams' spans into rows (Timeline._rows).
 PLOT_ROWS = 48
 STREAM_ROWS = 8  # rows the caller streams keep past PLOT_ROWS, however many lanes there are
+# The legend names this many methods at most, then says how many more: the plot's height
+# follows the legend, and thousands of names made a PNG taller than Agg can draw.
+LEGEND_NAMES = 40
 
 
 @dataclass(frozen=True)
@@ -195,7 +198,9 @@ class Timeline:
         names = sorted({s.name for s in self.spans})
         # Tall enough for its rows and for the legend beside them (~0.2 in per name at the
         # small font): a short plot of many names cut the legend off at the bottom.
-        height = max(1.2 + 0.5 * max(1, len(tracks)), 0.9 + 0.21 * len(names))
+        listed = names if len(names) <= LEGEND_NAMES else names[:LEGEND_NAMES - 1]
+        entries = len(listed) + (len(listed) < len(names))  # "... N more" is one too
+        height = max(1.2 + 0.5 * max(1, len(tracks)), 0.9 + 0.21 * entries)
         fig = Figure(figsize=(10, height), dpi=100)
         FigureCanvasAgg(fig)
         ax = fig.add_subplot()
@@ -204,12 +209,13 @@ class Timeline:
         style = {n: (f"C{i % 10}", _HATCHES[i // 10 % len(_HATCHES)])
                  for i, n in enumerate(names)}
         for row, spans in enumerate(rows):
-            bars: dict[str, list[tuple[float, float]]] = {}  # by name, in one pass of the row
+            # One collection per look in a row (60 at most), not per name: each costs an
+            # autoscale, and 6,000 names took a minute to draw.
+            bars: dict[tuple[str, str], list[tuple[float, float]]] = {}
             for s in spans:
-                bars.setdefault(s.name, []).append(
+                bars.setdefault(style[s.name], []).append(
                     ((s.start_s - t0) * 1e3, max(s.duration_s * 1e3, 1e-3)))
-            for name, xranges in bars.items():
-                colour, hatch = style[name]
+            for (colour, hatch), xranges in bars.items():
                 ax.broken_barh(xranges, (row - 0.4, 0.8), facecolors=colour, hatch=hatch,
                                edgecolor="black", linewidth=0.3)
         ax.set_yticks(range(len(tracks)), [_shown(t) for t in tracks])
@@ -228,10 +234,12 @@ class Timeline:
         if names:
             from matplotlib.patches import Patch
 
-            legend = ax.legend(handles=[Patch(facecolor=style[n][0], hatch=style[n][1],
-                                              edgecolor="black", linewidth=0.3,
-                                              label=_shown(n))
-                                        for n in names],
+            handles = [Patch(facecolor=style[n][0], hatch=style[n][1], edgecolor="black",
+                             linewidth=0.3, label=_shown(n)) for n in listed]
+            if len(listed) < len(names):
+                handles.append(Patch(facecolor="none", edgecolor="none",
+                                     label=f"... {len(names) - len(listed)} more"))
+            legend = ax.legend(handles=handles,
                                loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
             for text in legend.get_texts():
                 text.set_parse_math(False)

@@ -258,6 +258,23 @@ def test_the_legend_fits_the_plot_and_every_name_has_its_own_look(names):
     assert len(looks) == names
 
 
+def test_a_plot_of_thousands_of_names_lists_forty_and_says_how_many_more(tmp_path):
+    """3,500 method names: the height followed the legend (0.21 in a name), a figure ~740 in
+    tall that Agg refuses to draw (ValueError past 2**16 pixels), after a minute of one bar
+    collection per name. The legend names 39 of them and says how many more; the plot keeps
+    a sane height."""
+    n = 3500
+    t = Timeline([Span(i, f"m{i:04d}", 0, "lane 0", i * 1e-6, i * 1e-6 + 1e-6)
+                  for i in range(n)])
+    png = t.plot(tmp_path / "many.png")
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    fig = t._figure(None)
+    texts = [x.get_text() for x in fig.axes[0].get_legend().get_texts()]
+    assert texts[:2] == ["m0000", "m0001"] and len(texts) == 40
+    assert texts[-1] == f"... {n - 39} more"
+    assert fig.get_figheight() < 20
+
+
 @pytest.mark.anyio
 async def test_the_trace_is_valid_json_with_one_track_per_lane_and_the_plot_is_a_png(
         device, tmp_path):
