@@ -34,7 +34,7 @@ import numpy as np
 
 from streamlane.kernels import KernelSpec
 
-from .device import Device, PreparedLaunch, arity_error
+from .device import Device, PreparedLaunch, arity_error, bound_argument_error
 from .errors import DeviceError, InvalidArgument, KernelCompileError
 from .event import Event
 from .memory import DeviceArray
@@ -725,20 +725,23 @@ class _BoundLaunch:
 
     def __call__(self, stream: Stream, ins: Sequence[DeviceArray],
                  outs: Sequence[DeviceArray]) -> None:
-        impl = stream._usable()
         device = self._device
+        args = self._args
+        try:  # (free in CPython when nothing is raised)
+            impl = stream._usable()
+            if len(ins) != self._n_in or len(ins) + len(outs) != self._n_ptrs:
+                raise arity_error(self._prepared, ins, outs)
+            i = 0
+            for a in ins:
+                args[i] = a.ptr
+                i += 1
+            for a in outs:
+                args[i] = a.ptr
+                i += 1
+        except (AttributeError, TypeError):  # not a Stream, or not DeviceArrays
+            raise bound_argument_error(self._prepared, stream, ins, outs) from None
         if _bound.context is not device._context:
             device._make_current()
-        if len(ins) != self._n_in or len(ins) + len(outs) != self._n_ptrs:
-            raise arity_error(self._prepared, ins, outs)
-        args = self._args
-        i = 0
-        for a in ins:
-            args[i] = a.ptr
-            i += 1
-        for a in outs:
-            args[i] = a.ptr
-            i += 1
         fn, gx, gy, gz, bx, by, bz, shared = self._head
         if _bound.hold_gil:
             rc = device._short.launch(self._fn, gx, gy, gz, bx, by, bz,  # type: ignore[union-attr]

@@ -65,6 +65,7 @@ class PreparedLaunch:
     function: Any  # the backend's loaded kernel
     in_shapes: tuple[tuple[int, ...], ...] = ()  # what it was prepared for (run() checks)
     out_shapes: tuple[tuple[int, ...], ...] = ()
+    dtype: str = "float32"  # every argument's, for a public kernel (run() checks)
 
     def run(self, stream: Stream, ins: Sequence[DeviceArray], outs: Sequence[DeviceArray]) -> None:
         """Enqueue the launch on ``stream``, after checking what the kernel will read: arrays
@@ -82,13 +83,22 @@ class PreparedLaunch:
                 f" and outputs {[list(s) for s in self.out_shapes]}, got "
                 f"{[list(s) for s in shapes[0]]} and {[list(s) for s in shapes[1]]}; prepare() "
                 f"a launch for these (device.launch() does it for you)")
+        if not self.spec.internal:  # (strided_copy takes bytes and int64 strides)
+            for i, a in enumerate((*ins, *outs)):
+                if a.dtype.name != self.dtype:  # float64 bits read as float32, or past the end
+                    raise InvalidArgument(
+                        f"run({self.spec.name}): prepared for {self.dtype} arguments, argument "
+                        f"{i} is {a.dtype.name}; prepare(..., dtype={a.dtype.name!r}) a launch "
+                        f"for it, if {self.spec.name} takes it (device.launch() does it for you)")
         _check_memory(self.spec, ins, outs)
         self.device._launch(self, impl, ins, outs)
 
     def bind(self) -> Callable[[Stream, Sequence[DeviceArray], Sequence[DeviceArray]], None]:
         """A launcher of this launch with its own argument block: ``bound(stream, ins, outs)``
-        does what ``run`` does, cheaper, since only the pointers are written per call (on CUDA
-        the driver reads the block in place). One caller at a time: a method step owns one."""
+        enqueues it as ``run`` does, cheaper: only the pointers are written per call (on CUDA
+        the driver reads the block in place). It checks the argument counts and kinds only,
+        not ``run``'s shapes, dtypes and memory: the caller gives it the arrays it was
+        prepared for (a method step gives its own buffers). One caller at a time."""
         return self.device._bind(self)
 
 
@@ -307,7 +317,7 @@ class Device(ABC):
             raise InvalidArgument(f"kernel {kernel!r}: {exc}") from None
         return PreparedLaunch(self, spec, config, resolved,
                               self._function(spec, config.entry or spec.entry),
-                              tuple(tuple(s) for s in ins), tuple(tuple(s) for s in outs))
+                              tuple(tuple(s) for s in ins), tuple(tuple(s) for s in outs), dtype)
 
     def launch(self, kernel: str, stream: Stream, ins: Sequence[DeviceArray],
                outs: Sequence[DeviceArray], params: Mapping[str, Any] | None = None) -> None:
@@ -448,9 +458,15 @@ class Device(ABC):
         n_in, n_out = prepared.spec.n_in, prepared.spec.n_out
 
         def bound(stream: Stream, ins: Sequence[DeviceArray], outs: Sequence[DeviceArray]) -> None:
-            if len(ins) != n_in or len(outs) != n_out:  # a kernel would index past its arrays
-                raise arity_error(prepared, ins, outs)
-            launch(prepared, stream._usable(), ins, outs)
+            try:
+                if len(ins) != n_in or len(outs) != n_out:  # a kernel would index past them
+                    raise arity_error(prepared, ins, outs)
+                impl = stream._usable()
+            except (AttributeError, TypeError):
+                raise bound_argument_error(prepared, stream, ins, outs) from None
+            if not all(type(a) is DeviceArray for a in (*ins, *outs)):
+                raise bound_argument_error(prepared, stream, ins, outs)
+            launch(prepared, impl, ins, outs)
 
         return bound
 
@@ -541,6 +557,19 @@ def _check_dtype(dtype: Any) -> np.dtype:
                               f"convert the array to a numeric dtype first")
     dtype_name(dt)  # InvalidArgument naming the supported dtypes: no complex, text or records
     return dt
+
+
+def bound_argument_error(prepared: PreparedLaunch, stream: Any, ins: Any,
+                         outs: Any) -> InvalidArgument:
+    """A bound launcher's refusal of what is not a Stream and lists of DeviceArrays."""
+    def kinds(arrays: Any) -> str:
+        try:
+            return f"[{', '.join(type(a).__name__ for a in arrays)}]"
+        except TypeError:
+            return type(arrays).__name__
+    return InvalidArgument(f"bound {prepared.spec.name} launcher: takes (Stream, [DeviceArray, "
+                           f"...], [DeviceArray, ...]), got ({type(stream).__name__}, "
+                           f"{kinds(ins)}, {kinds(outs)})")
 
 
 def arity_error(prepared: PreparedLaunch, ins: Sequence[DeviceArray],

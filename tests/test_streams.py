@@ -600,9 +600,22 @@ def test_device_calls_refuse_arguments_of_the_wrong_kind(device):
                  lambda: device.copy(wide.buffer.view("float32", (2,), 4),
                                      wide.buffer.view("float32", (2,), 0), s),
                  lambda: prepared.run(s, [big], [big]),  # shapes it was not prepared for
-                 lambda: device.prepare("add", [(2,), (2,)]).run(s, [a], [o])):
+                 lambda: device.prepare("add", [(2,), (2,)]).run(s, [a], [o]),
+                 # the dtype it was not prepared for: float64 bits read as float32 (int8: a
+                 # read past the end), a fault for good on the host device
+                 lambda: prepared.run(s, [device.to_device(np.ones(2, np.int8), s)],
+                                      [device.empty((2,), "int8", s)]),
+                 lambda: prepared.run(s, [device.to_device(np.ones(2), s)],
+                                      [device.empty((2,), "float64", s)]),
+                 # a bound launcher takes a Stream and DeviceArrays (AttributeError before)
+                 lambda: prepared.bind()(s, [np.ones(2, np.float32)], [o]),
+                 lambda: prepared.bind()(None, [a], [o]),
+                 lambda: prepared.bind()(s, 5, [o])):
         with pytest.raises(InvalidArgument):
             call()
+    assert not device.lost
+    prepared.run(s, [a], [o])
+    np.testing.assert_array_equal(device.to_host(o, s), np.ones(2, np.float32))
     from collections import deque
 
     device.launch("relu", s, deque([a]), deque([o]))  # any sequence, as before
