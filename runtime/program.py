@@ -320,23 +320,35 @@ class ProgramBuilder:
             raise InvalidArgument(f"Program.build({name!r}): constants must be a mapping of "
                                   f"name to array, got {type(constants).__name__}")
         self.name = name
-        self._constants = {k: as_host_array(v, f"constant {k!r}")
-                           for k, v in (constants or {}).items()}
+        self._constants: dict[str, np.ndarray] = {}
         self._methods: dict[str, MethodBuilder] = {}
         self._callables: dict[str, StepFn] = {}
+        for k, v in (constants or {}).items():
+            self.constant(k, v)
 
     def constant(self, name: str, value: Any) -> str:
         """Add a constant tensor (an array, copied as it is now); returns its name, for steps.
-        Checked with the rest of the program in ``finish()``."""
-        self._constants[name] = as_host_array(value, f"constant {name!r}")
+        Its name and array are checked now, as ``finish()`` would (a refused one is not
+        added: the builder stays usable)."""
+        where = f"constants[{_key(name)!r}]"
+        _check_name(name, where)
+        array = as_host_array(value, f"constant {name!r}")
+        _check_constant(array, where)
+        for m in self._methods.values():  # one added after a method was started
+            if name in m._shapes:
+                raise InvalidProgram(f"{where}.name", f"a name not already used by an input "
+                                     f"or buffer of method {m.name!r}", name)
+        self._constants[name] = array
         return name
 
     def method(self, name: str, /, **inputs: tuple[DTypeArg, ShapeArg]) -> MethodBuilder:
         """Start method ``name`` with inputs given as ``name=(dtype, shape)``, in order."""
+        _check_name(name, member_path("methods", name) if isinstance(name, str) else "methods")
         if name in self._methods:  # as a manifest naming it twice is refused
             raise InvalidProgram(member_path("methods", name), "a method name not used yet in "
                                  "this program", name)
-        mb = self._methods[name] = MethodBuilder(self, name, inputs)
+        mb = MethodBuilder(self, name, inputs)
+        self._methods[name] = mb
         return mb
 
     def finish(self) -> Program:
@@ -361,6 +373,9 @@ class MethodBuilder:
             where = f"{member_path('methods', name)}.inputs[{i}]"
             if not isinstance(decl, (tuple, list)) or len(decl) != 2:
                 raise InvalidProgram(where, "(dtype, shape)", decl)
+            if k in parent._constants:
+                raise InvalidProgram(f"{where}.name", "a name not already used by an input, "
+                                     "buffer, output or constant", k)
             self._inputs.append(_tensor_given(k, *decl, where))
         self._buffers: list[dict[str, Any]] = []
         self._steps: list[dict[str, Any]] = []
@@ -396,6 +411,7 @@ class MethodBuilder:
                                      out)
             _check_name(out, f"{where}.out[0]")
             self._check_not_auto(out, f"{where}.out[0]")
+            self._check_writable(out, f"{where}.out[0]")
         known = []
         for j, name in enumerate(ins):
             decl = self._known(name)
@@ -483,6 +499,7 @@ class MethodBuilder:
             oname = out[0]
             item = _tensor_given(*out, f"{where}[{j}]")
             self._check_not_auto(oname, f"{where}[{j}]")
+            self._check_writable(oname, f"{where}[{j}]")
             known = self._known(oname)
             if known is not None and known != (item["dtype"], tuple(item["shape"])):
                 raise InvalidProgram(f"{where}[{j}]", f"{oname!r} as declared before: "
@@ -507,6 +524,9 @@ class MethodBuilder:
                                      "m.output(*m.call(...))", name)
             if name in declared:
                 raise InvalidProgram(f"{where}.name", "an output declared once", name)
+            if any(it["name"] == name for it in self._inputs) or name in self._parent._constants:
+                raise InvalidProgram(f"{where}.name", "the name of a buffer a step writes (an "
+                                     "input or constant cannot be an output: copy it)", name)
             declared.add(name)
         self._outputs.extend(names)
 
@@ -519,6 +539,12 @@ class MethodBuilder:
             raise InvalidProgram(where, f"a name other than {name!r}, which the builder gave "
                                  f"step {made_by}'s output (returned by its step()); writing "
                                  f"into it would change that step's result", name)
+
+    def _check_writable(self, name: str, where: str) -> None:
+        """A step writes a buffer or an output, never an input or a constant (read-only)."""
+        if name in self._parent._constants or any(it["name"] == name for it in self._inputs):
+            raise InvalidProgram(where, "a buffer or output (inputs and constants are "
+                                 "read-only)", name)
 
     def _fresh_name(self, k: int) -> str:
         """A name for this step's ``k``-th output that nothing in the method or program uses
@@ -954,17 +980,7 @@ class _Validator:
         for k, v in self.constants.items():
             where = f"constants[{_key(k)!r}]"
             self._name(k, where)
-            if not isinstance(v, np.ndarray) or v.dtype.hasobject:
-                raise InvalidProgram(where, "a numeric array", f"dtype {v.dtype}" if isinstance(
-                    v, np.ndarray) else type(v).__name__)
-            try:
-                dtype_name(v.dtype)
-            except Exception:
-                raise InvalidProgram(where, f"a dtype of {', '.join(DTYPES)}", str(v.dtype)) \
-                    from None
-            if v.ndim > MAX_RANK or v.size == 0 or v.nbytes > MAX_TENSOR_BYTES:
-                raise InvalidProgram(where, "a non-empty array within the size limits",
-                                     list(v.shape))
+            _check_constant(v, where)
             # Uploads copy bytes: a big-endian or Fortran-ordered constant (another machine's
             # np.save) becomes the native, C-ordered array of the same values first. A program
             # is immutable: the caller's arrays are copied (a file's were just read: no copy),
@@ -1184,6 +1200,20 @@ def _check_name(value: Any, where: str) -> str:
         raise InvalidProgram(where, "a name of letters, digits, '_', '.', '-' (at most 128, "
                              "starting with a letter or '_')", value)
     return value
+
+
+def _check_constant(v: Any, where: str) -> None:
+    """A constant's array at ``where``: numeric, of a dtype programs take, non-empty, within
+    the limits; else ``InvalidProgram`` (the builder checks each as it is added)."""
+    if not isinstance(v, np.ndarray) or v.dtype.hasobject:
+        raise InvalidProgram(where, "a numeric array", f"dtype {v.dtype}" if isinstance(
+            v, np.ndarray) else type(v).__name__)
+    try:
+        dtype_name(v.dtype)
+    except Exception:
+        raise InvalidProgram(where, f"a dtype of {', '.join(DTYPES)}", str(v.dtype)) from None
+    if v.ndim > MAX_RANK or v.size == 0 or v.nbytes > MAX_TENSOR_BYTES:
+        raise InvalidProgram(where, "a non-empty array within the size limits", list(v.shape))
 
 
 def _check_dims(shape: Sequence[Any], where: str) -> None:

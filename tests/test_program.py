@@ -1337,6 +1337,43 @@ def test_the_builder_takes_numpy_scalars_as_the_numbers_they_hold(tmp_path):
         Program.build("r").method("f", x=(object, [4]))
 
 
+@pytest.mark.parametrize("mistake", [
+    "method_named_none", "method_named_with_a_space", "method_named_by_a_list",
+    "input_named_like_a_constant", "constant_named_like_an_input", "constant_named_by_a_list",
+    "constant_of_objects", "constant_of_nothing", "step_out_an_input", "step_out_a_constant",
+    "call_out_an_input", "output_an_input"])
+def test_a_builder_mistake_is_refused_at_once_and_the_builder_goes_on(mistake):
+    """Each was taken (or a TypeError), and every later finish() raised: the builder could not
+    be mended, having no way to remove a method or a step."""
+    b = Program.build("p", constants={"w": np.ones(4, np.float32)})
+    m = b.method("f", x=("float32", [4]))
+    calls = {
+        "method_named_none": lambda: b.method(None, y=("float32", [4])),
+        "method_named_with_a_space": lambda: b.method("a b", y=("float32", [4])),
+        "method_named_by_a_list": lambda: b.method(["g"], y=("float32", [4])),
+        "input_named_like_a_constant": lambda: b.method("g", w=("float32", [4])),
+        "constant_named_like_an_input": lambda: b.constant("x", np.ones(4, np.float32)),
+        "constant_named_by_a_list": lambda: b.constant(["v"], np.ones(4, np.float32)),
+        "constant_of_objects": lambda: b.constant("v", np.array([object()])),
+        "constant_of_nothing": lambda: b.constant("v", np.ones(0, np.float32)),
+        "step_out_an_input": lambda: m.step("relu", "w", out="x"),
+        "step_out_a_constant": lambda: m.step("relu", "x", out="w"),
+        "call_out_an_input": lambda: m.call(lambda s, i, o: None, ["w"],
+                                            [("x", "float32", [4])]),
+        "output_an_input": lambda: m.output("x"),
+    }
+    with pytest.raises(InvalidProgram) as info:
+        calls[mistake]()
+    assert info.value.path
+    m.output(m.step("add", "x", "w"))
+    program = b.finish()
+    assert list(program.methods) == ["f"] and list(program.constants) == ["w"]
+    from streamlane.runtime import get_device
+
+    got = program.method("f", device=get_device("host"))([np.arange(4, dtype=np.float32)])
+    np.testing.assert_array_equal(got[0].to_host(), np.arange(4, dtype=np.float32) + 1)
+
+
 def test_the_builder_refuses_an_output_declared_twice():
     """``m.output(y, y)`` was taken as one output, silently; a file saying so is refused."""
     b = Program.build("p")
