@@ -41,6 +41,7 @@ import atexit
 import contextlib
 import inspect
 import itertools
+import math
 import operator
 import os
 import sys
@@ -104,6 +105,21 @@ _RECOVER_AFTER_S = 0.1
 UNOBSERVED_KEPT = 32
 # The most lanes a scheduler starts (each is a lane thread and a waiter thread).
 MAX_LANES = 1024
+
+
+async def _wait_shielded(wait: Callable[[], Any], timeout: float | None,
+                         deferred: list[BaseException]) -> None:
+    """``await wait()`` for at most ``timeout`` seconds, inside the caller's shielded scope.
+    anyio's shield stops anyio's and trio's cancellation but not asyncio's own ``task.cancel()``
+    (``asyncio.timeout``, ``wait_for``, a ``TaskGroup`` sibling failing), which cut a close
+    short: it returned with lane threads running and jobs pending. Such a cancellation is kept
+    in ``deferred`` for the caller to raise once nothing is left running."""
+    try:
+        with anyio.move_on_after(math.inf if timeout is None else timeout):
+            await wait()
+    except anyio.get_cancelled_exc_class() as exc:
+        if not deferred:
+            deferred.append(exc)
 
 
 # How far _forget_locals looks: the frames that hold a job's inputs are streamlane's own,
@@ -395,8 +411,9 @@ class Scheduler:
         an error cancels the jobs not yet enqueued, waits for those on the device, joins the
         threads and lets the error go on.
 
-        **Cancellation**: shielded. Enqueued device work cannot be recalled, so exit waits for
-        it before joining the threads; a cancelled exit still leaves nothing running.
+        **Cancellation**: shielded (asyncio's own ``task.cancel()`` too: it is raised once the
+        exit is done). Enqueued device work cannot be recalled, so exit waits for it before
+        joining the threads; a cancelled exit still leaves nothing running.
         """
         await self._close(error=exc_type is not None)
 
@@ -407,7 +424,8 @@ class Scheduler:
         Raises the first error of a failed job that nobody observed (by awaiting the job or
         calling ``job.exception()``), so a device failure is never lost silently.
 
-        **Cancellation**: shielded: it returns only once every thread has been joined.
+        **Cancellation**: shielded: it returns (or raises the cancellation, asyncio's own
+        ``task.cancel()`` included) only once every thread has been joined.
         """
         await self._close(error=False)
 
@@ -420,14 +438,19 @@ class Scheduler:
             if error:
                 self._cancelling = True
             assert self._closed is not None
+            deferred: list[BaseException] = []
             with anyio.CancelScope(shield=True):
-                await self._closed.wait()
+                while not self._closed.is_set():
+                    await _wait_shielded(self._closed.wait, None, deferred)
+            if deferred:
+                raise deferred[0]
             return
         if self._state == _NEW:
             self._state = _CLOSED
             return
         self.check_loop_thread("closing the scheduler")
         self._closed = anyio.Event()
+        deferred: list[BaseException] = []  # a native asyncio cancel: raised once all is joined
         with anyio.CancelScope(shield=True):
             try:
                 try:  # from here on, whatever is raised, the lanes are stopped and joined
@@ -444,8 +467,7 @@ class Scheduler:
                             self.finish(job, job._state, job._error)
                             self._pending.discard(job)
                             continue
-                        with anyio.move_on_after(_RECOVER_AFTER_S):
-                            await job._wait_done()
+                        await _wait_shielded(job._wait_done, _RECOVER_AFTER_S, deferred)
                         self._recover(job)
                         if not job._finished and not job._is_published:
                             break  # queued behind others, or lost (_settle_lost): the lanes
@@ -457,8 +479,8 @@ class Scheduler:
                         if lane.waiter.ident is not None:  # started (an interrupt in
                             assert lane.exited is not None  # __aenter__ may stop short)
                             while not lane.exited.is_set():  # posted by its waiter thread
-                                with anyio.move_on_after(_RECOVER_AFTER_S):
-                                    await lane.exited.wait()
+                                await _wait_shielded(lane.exited.wait, _RECOVER_AFTER_S,
+                                                     deferred)
                                 self.waker.flush()  # in case that post's drain was lost
                         lane.join()
                     self._settle_lost()
@@ -467,21 +489,30 @@ class Scheduler:
                 _open_schedulers.discard(self)
                 self.waker.close()
                 self._closed.set()
-        if not error:
-            unobserved = [job for job in self._unobserved if not job._retrieved]
-            self._unobserved.clear()
-            if not unobserved and self._let_go is not None and not self._let_go._retrieved:
-                unobserved = [self._let_go]  # those kept were all seen later: one let go
-            if unobserved:
-                first = unobserved[0]
-                first._retrieved = True
-                error = first._error
-                assert error is not None
-                note = (f"raised on leaving the scheduler: {first.label} failed and nobody "
-                        f"awaited it or called its exception()")
-                if note not in getattr(error, "__notes__", ()):
-                    error.add_note(note)
-                raise error
+        unobserved = self._take_unobserved() if not error else None
+        if unobserved is not None:
+            raise unobserved  # an error raised while cancelled wins, as anywhere in asyncio
+        if deferred:
+            raise deferred[0]
+
+    def _take_unobserved(self) -> BaseException | None:
+        """The first error of a failed job nobody observed (noted so), once the scheduler has
+        closed normally; None if every failure was seen."""
+        unobserved = [job for job in self._unobserved if not job._retrieved]
+        self._unobserved.clear()
+        if not unobserved and self._let_go is not None and not self._let_go._retrieved:
+            unobserved = [self._let_go]  # those kept were all seen later: one let go
+        if unobserved:
+            first = unobserved[0]
+            first._retrieved = True
+            error = first._error
+            assert error is not None
+            note = (f"raised on leaving the scheduler: {first.label} failed and nobody "
+                    f"awaited it or called its exception()")
+            if note not in getattr(error, "__notes__", ()):
+                error.add_note(note)
+            return error
+        return None
 
     def _recover(self, job: Job) -> None:
         """Settle ``job`` here if its settle callback was lost: an exception raised into the
@@ -551,7 +582,9 @@ class Scheduler:
         ``inline=False``.
 
         **Cancellation**: if cancelled while waiting for room on the lane, nothing was
-        submitted. Once it returns, the job is the scheduler's: it will run.
+        submitted. Once it returns, the job is the scheduler's: it will run, unless the
+        scheduler is left on an error before the job reached the device (then it is cancelled,
+        ``SchedulerClosed``), or a dependency fails.
         """
         return await self._submit(method, inputs, lane, after, stream, False)
 
