@@ -265,6 +265,11 @@ class Method:
             except Exception as exc:
                 raise InvalidInput(self.name, index, f"{expected} readable on the host or a "
                                    f"Result", type(value).__name__, str(exc)) from None
+        elif cai is not None:  # CUDA memory given to the host device
+            raise InvalidInput(self.name, index, f"{expected} readable on the host or a Result",
+                               type(value).__name__, "it is CUDA memory "
+                               "(__cuda_array_interface__), which the host device cannot read; "
+                               "copy it to the host first")
         else:
             raise InvalidInput(self.name, index, f"{expected} (numpy array, Result, DLPack or "
                                f"__cuda_array_interface__ object)", type(value).__name__)

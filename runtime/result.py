@@ -420,7 +420,13 @@ class Result:
             array = _from_dlpack(array)
         host = as_host_array(array, "from_host", order="C")
         if host.dtype.hasobject:
-            raise InvalidArgument(f"from_host: object arrays cannot go to a device ({host.dtype})")
+            what = "an object array" if isinstance(array, np.ndarray) else \
+                f"{type(array).__name__} (numpy reads it as an object array)"
+            cuda = " (it is CUDA memory: copy it to the host first)" if hasattr(
+                array, "__cuda_array_interface__") else ""
+            raise InvalidArgument(f"from_host: {what} cannot go to a device{cuda}; pass a "
+                                  f"numpy array of one of the supported dtypes, or a list of "
+                                  f"numbers")
         dtype_name(host.dtype)  # raises InvalidArgument for an unsupported dtype
         if not host.dtype.isnative:  # the copy is of bytes: kernels read native order
             host = host.astype(host.dtype.newbyteorder("="))

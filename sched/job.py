@@ -88,6 +88,18 @@ class JobOutput:
     def __repr__(self) -> str:
         return f"<JobOutput {self.index} of {self.job!r}>"
 
+    def __array__(self, dtype: Any = None, copy: Any = None) -> Any:
+        """Refused, as a Result's: numpy would otherwise wrap it in a 0-d object array."""
+        raise InvalidArgument(f"{self!r} is a job's output on the device: await the job and "
+                              f"read its Result with to_host(), or pass it to a later submit")
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(_NOT_PICKLED.format(what=repr(self)))
+
+
+_NOT_PICKLED = ("{what} belongs to a scheduler of this process and does not pickle or "
+                "deep-copy: await the job and send its outputs' to_host() (numpy arrays)")
+
 
 class JobOutputs(Sequence[JobOutput]):
     """The outputs of a job, one ``JobOutput`` per output of the method."""
@@ -107,6 +119,9 @@ class JobOutputs(Sequence[JobOutput]):
 
     def __len__(self) -> int:
         return len(self._items)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(_NOT_PICKLED.format(what="a job's outputs"))
 
     def __iter__(self) -> Iterator[JobOutput]:
         return iter(self._items)
@@ -405,6 +420,9 @@ class Job:
 
     def __repr__(self) -> str:
         return f"{self.label[:-1]} {self.state}>"
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(_NOT_PICKLED.format(what=repr(self)))
 
     @property
     def label(self) -> str:

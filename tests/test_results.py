@@ -1101,6 +1101,30 @@ def test_from_host_rejects_unsupported_dtypes(device):
         Result.from_host(np.zeros(3, np.complex64), device)
 
 
+class _CudaMemory:
+    __cuda_array_interface__ = {"shape": (4,), "typestr": "<f4", "data": (4096, False),
+                                "version": 3}
+
+
+@pytest.mark.parametrize("value", [None, 2**80, object(), {"a": 1}])
+def test_from_host_of_what_numpy_makes_an_object_array_names_what_was_given(device, value):
+    """It said "object arrays cannot go to a device (object)" for None, a huge int or a dict."""
+    with pytest.raises(InvalidArgument, match=rf"from_host: {type(value).__name__} .numpy "
+                                              rf"reads it as an object array.*numpy array"):
+        Result.from_host(value, device)
+
+
+def test_cuda_memory_given_to_the_host_device_is_named_as_such(host):
+    from streamlane.runtime.examples import path
+
+    with pytest.raises(InvalidArgument, match="CUDA memory: copy it to the host first"):
+        Result.from_host(_CudaMemory(), host)
+    method = Program.load(path("encoder")).method("forward", device=host)
+    with pytest.raises(InvalidInput, match=r"CUDA memory .__cuda_array_interface__., which "
+                                           r"the host device cannot read"):
+        method.set_inputs([_CudaMemory()])
+
+
 class _ArrayRaises:
     def __array__(self, *args, **kwargs):
         raise ValueError("cannot be read")

@@ -1352,6 +1352,24 @@ async def test_run_names_itself_when_called_before_the_scheduler_started(host):
 
 
 @pytest.mark.anyio
+async def test_a_job_and_its_outputs_refuse_numpy_and_pickle_saying_what_to_do(host):
+    """np.asarray(job.outputs[0]) made a 0-d object array, silently (a Result's refuses);
+    pickling a job raised a TypeError about an Event."""
+    import copy
+    import pickle
+
+    method = double_program().method("forward", device=host)
+    async with Scheduler(host, lanes=1) as sched:
+        job = await sched.submit(method, [data(0)])
+        with pytest.raises(InvalidArgument, match="await the job and read its Result"):
+            np.asarray(job.outputs[0])
+        for thing in (job, job.outputs, job.outputs[0]):
+            for how in (pickle.dumps, copy.deepcopy):
+                with pytest.raises(TypeError, match="belongs to a scheduler of this process"):
+                    how(thing)
+        np.testing.assert_array_equal((await job)[0].to_host(), data(0) * 2)
+
+
 async def test_a_failed_jobs_output_says_why_it_has_no_result_and_what_helps(host):
     """``job.outputs[0].result`` of a failed job advised passing the output to a later submit,
     which would only fail with ``DependencyFailed``; a scheduler of one lane said "1 lanes"."""
