@@ -657,8 +657,10 @@ def _save_path(path: Any) -> Path:
         raise InvalidArgument(f"save({text!r}): that is not a regular file (a folder, a device, "
                               f"a pipe); name a file to write the manifest to")
     if not folder_ok:
-        raise InvalidArgument(f"save({text!r}): the folder {str(target.parent)!r} does not "
-                              f"exist; create it first")
+        there = os.path.lexists(target.parent)
+        raise InvalidArgument(f"save({text!r}): {str(target.parent)!r} "
+                              f"{'is not a folder' if there else 'does not exist'}; "
+                              f"{'name a path in a folder' if there else 'create it first'}")
     if regular and zipfile.is_zipfile(target):
         raise InvalidArgument(f"save({text!r}): that file is a zip archive (another program's "
                               f"constants, say), which a manifest would overwrite; choose "

@@ -206,12 +206,15 @@ def test_a_save_that_fails_leaves_the_program_there_intact(tmp_path, monkeypatch
 
 def test_save_checks_its_path_before_writing(tmp_path):
     (tmp_path / "adir").mkdir()
+    (tmp_path / "afile").write_text("")
     for bad, match in ((tmp_path / "adir", "folder"), (tmp_path / "no" / "p.json", "create it"),
+                       # a file on the way: it said "does not exist; create it first"
+                       (tmp_path / "afile" / "p.json", "afile' is not a folder; name a path"),
                        (str(tmp_path / "a\0b.json"), "NUL"), (3, "a path"),
                        (tmp_path / ("x" * 256), "not a plain file name|too long")):
         with pytest.raises(InvalidArgument, match=match):
             small(1.0).save(bad)  # type: ignore[arg-type]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["adir"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adir", "afile"]
 
 
 def test_a_path_ending_in_a_separator_names_a_folder_for_save_and_load(tmp_path):
@@ -1416,6 +1419,16 @@ def test_examples_command_refuses_a_folder_it_cannot_write_in_one_line(tmp_path,
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and repr(str(folder)) in lines[0], done.stderr
     assert done.stdout == ""
+
+
+def test_examples_command_refuses_an_empty_folder_name_as_a_bad_argument(tmp_path):
+    """``""`` wrote the examples into the current folder (Path("") is "."), status 0, where
+    ``streamlane demo --out ""`` is refused."""
+    done = subprocess.run([sys.executable, "-m", "streamlane.runtime.examples", ""],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 2, done
+    assert "empty; name a folder" in done.stderr and "Traceback" not in done.stderr
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_examples_main_refuses_a_nul_in_the_folder_in_one_line(capsys):

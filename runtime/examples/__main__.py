@@ -12,10 +12,17 @@ from ..program import make_folders
 from . import write_examples
 
 
+def _folder(text: str) -> Path:
+    """An empty argument is refused (status 2), not read as the current folder (Path(""))."""
+    if not text:
+        raise argparse.ArgumentTypeError("empty; name a folder ('.' for this one)")
+    return Path(text)
+
+
 def main(argv: "list[str] | None" = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m streamlane.runtime.examples",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("folder", type=Path, help="where to write encoder.json/.npz and "
+    parser.add_argument("folder", type=_folder, help="where to write encoder.json/.npz and "
                                                   "decoder.json/.npz (created if missing)")
     args = parser.parse_args(argv)
     if args.folder.exists() and not args.folder.is_dir():
