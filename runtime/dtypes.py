@@ -74,5 +74,8 @@ def real_in(value: Any, low: float, high: float) -> float | None:
     is infinity, so ``np.float16('inf') <= 1e6`` held."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return None
-    number = float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an int (or Fraction) past float's range: 10**400
+        return None
     return number if low <= number <= high else None

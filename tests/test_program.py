@@ -471,6 +471,9 @@ def test_examples_are_written_to_a_folder_given_as_str(tmp_path):
     write_examples(tmp_path)  # again: its own files, replaced
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "decoder.json", "decoder.npz", "encoder.json", "encoder.npz"]
+    (tmp_path / "b").mkdir()
+    write_examples(os.fsencode(tmp_path / "b"))  # bytes, as everywhere else (TypeError before)
+    assert Program.load(tmp_path / "b" / "decoder.json") == load("decoder")
 
 
 def test_examples_path_refuses_an_unknown_name():

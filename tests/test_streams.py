@@ -746,7 +746,8 @@ def test_a_stream_or_event_copies_as_itself_and_refuses_pickle(host):
     assert s.closed
 
 
-@pytest.mark.parametrize("seconds", [-1, None, "0.1", float("nan"), float("inf"), True, 1e9])
+@pytest.mark.parametrize("seconds", [-1, None, "0.1", float("nan"), float("inf"), True, 1e9,
+                                     10**400])  # (OverflowError in float())
 def test_inject_delay_refuses_a_bad_delay_before_it_faults_the_device(host, seconds):
     """A bad delay was queued as is and raised on the stream's worker, a fault that made the
     whole host device unusable (a review)."""

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import InvalidArgument
-from ..program import Program
+from ..program import Program, path_text
 
 __all__ = ["EXAMPLES", "build_decoder", "build_encoder", "load", "path"]
 
@@ -60,10 +60,10 @@ def build_decoder(batch: int = 8, width: int = 256, blocks: int = 2, seed: int =
     return b.finish()
 
 
-def write_examples(folder: str | os.PathLike[str] = _HERE) -> None:
+def write_examples(folder: str | bytes | os.PathLike[str] | os.PathLike[bytes] = _HERE) -> None:
     """Write the example programs into ``folder`` (default: the shipped files; ``python -m
-    streamlane.runtime.examples DIR``)."""
-    folder = Path(folder)
+    streamlane.runtime.examples DIR``); a path as ``str``, ``bytes`` or ``os.PathLike``."""
+    folder = Path(path_text(folder, "write_examples"))
     build_encoder().save(folder / "encoder.json")
     build_decoder().save(folder / "decoder.json")
 
