@@ -733,9 +733,13 @@ class _BoundLaunch:
                 raise arity_error(self._prepared, ins, outs)
             i = 0
             for a in ins:
+                if type(a) is not DeviceArray:  # a Buffer has a .ptr too, and no size
+                    raise TypeError
                 args[i] = a.ptr
                 i += 1
             for a in outs:
+                if type(a) is not DeviceArray:
+                    raise TypeError
                 args[i] = a.ptr
                 i += 1
         except (AttributeError, TypeError):  # not a Stream, or not DeviceArrays

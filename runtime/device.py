@@ -27,7 +27,7 @@ from streamlane.kernels import (
     kernel_names,
 )
 
-from .dtypes import as_host_array, dtype_name
+from .dtypes import DTYPES, as_host_array
 from .errors import InvalidArgument
 from .event import Event
 from .memory import Buffer, DeviceArray
@@ -555,7 +555,10 @@ def _check_dtype(dtype: Any) -> np.dtype:
     if dt.hasobject:
         raise InvalidArgument(f"dtype {dt} holds Python objects, which device memory cannot; "
                               f"convert the array to a numeric dtype first")
-    dtype_name(dt)  # InvalidArgument naming the supported dtypes: no complex, text or records
+    if dt.kind in "cSUVMm":  # complex, text, void / records, datetimes: nothing reads them
+        raise InvalidArgument(f"dtype {dt} is not one device memory holds; give a numeric "
+                              f"dtype (supported by programs and Results: "
+                              f"{', '.join(DTYPES)})")
     return dt
 
 

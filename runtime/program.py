@@ -384,6 +384,7 @@ class MethodBuilder:
         # its inputs' and buffers' (dtype, shape); constants are looked up in the parent, so
         # one added after this method was started is usable too (_known)
         self._shapes = {it["name"]: (it["dtype"], tuple(it["shape"])) for it in self._inputs}
+        self._input_names = {it["name"] for it in self._inputs}  # (a set: thousands of them)
 
     def _known(self, name: Any) -> tuple[str, tuple[int, ...]] | None:
         if not isinstance(name, str):
@@ -524,7 +525,7 @@ class MethodBuilder:
                                      "m.output(*m.call(...))", name)
             if name in declared:
                 raise InvalidProgram(f"{where}.name", "an output declared once", name)
-            if any(it["name"] == name for it in self._inputs) or name in self._parent._constants:
+            if name in self._input_names or name in self._parent._constants:
                 raise InvalidProgram(f"{where}.name", "the name of a buffer a step writes (an "
                                      "input or constant cannot be an output: copy it)", name)
             declared.add(name)
@@ -542,7 +543,7 @@ class MethodBuilder:
 
     def _check_writable(self, name: str, where: str) -> None:
         """A step writes a buffer or an output, never an input or a constant (read-only)."""
-        if name in self._parent._constants or any(it["name"] == name for it in self._inputs):
+        if name in self._parent._constants or name in self._input_names:
             raise InvalidProgram(where, "a buffer or output (inputs and constants are "
                                  "read-only)", name)
 

@@ -490,10 +490,15 @@ class Scheduler:
                 self.waker.close()
                 self._closed.set()
         unobserved = self._take_unobserved() if not error else None
-        if unobserved is not None:
-            raise unobserved  # an error raised while cancelled wins, as anywhere in asyncio
-        if deferred:
+        if deferred:  # the cancellation goes on (asyncio counts it: a task that went on
+            if unobserved is not None:  # would be cancelled for good), the failure with it
+                deferred[0].add_note(f"the scheduler closed before the cancellation was "
+                                     f"raised, and a job nobody awaited had failed: the "
+                                     f"cause ({type(unobserved).__name__})")
+                raise deferred[0] from unobserved
             raise deferred[0]
+        if unobserved is not None:
+            raise unobserved
 
     def _take_unobserved(self) -> BaseException | None:
         """The first error of a failed job nobody observed (noted so), once the scheduler has

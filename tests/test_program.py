@@ -1380,6 +1380,20 @@ def test_a_builder_mistake_is_refused_at_once_and_the_builder_goes_on(mistake):
     np.testing.assert_array_equal(got[0].to_host(), np.arange(4, dtype=np.float32) + 1)
 
 
+def test_the_builders_checks_stay_linear_in_the_inputs():
+    """Each step() and output() name was looked up in a list of the inputs: 4,000 inputs and
+    steps took ~2 s (0.04 s before those checks)."""
+    import time
+
+    n = 4000
+    b = Program.build("wide")
+    m = b.method("f", **{f"x{i}": ("float32", [2]) for i in range(n)})
+    start = time.perf_counter()
+    outs = [m.step("copy", f"x{i}", out=f"y{i}") for i in range(n)]
+    m.output(*outs)
+    assert time.perf_counter() - start < 0.6
+
+
 def test_the_builder_refuses_an_output_declared_twice():
     """``m.output(y, y)`` was taken as one output, silently; a file saying so is refused."""
     b = Program.build("p")

@@ -149,3 +149,40 @@ def test_a_second_closer_cancelled_natively_waits_for_the_first(host, loop):
 
     _run(loop, main)
     assert seen["second"] == (0, [])
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_cancelled_close_with_an_unobserved_failure_raises_the_cancellation_with_it(host, loop):
+    """The failure nobody saw replaced the cancellation: the task went on, cancelled for good
+    in asyncio's count (cancelling() == 1), and a Ctrl-C ended as that error, status 1."""
+    from sched_helpers import LateBad
+
+    from streamlane.runtime.errors import InvalidInput
+
+    method = double_program().method("forward", device=host)
+    x = data(5)
+    seen: dict[str, object] = {}
+
+    async def closer():
+        gate = Gate(x)
+        sched = Scheduler(host, lanes=1)
+        await sched.__aenter__()
+        await sched.submit(method, [LateBad()])  # fails on its lane; nobody awaits it
+        await sched.submit(method, [gate])
+        asyncio.get_running_loop().call_later(0.1, asyncio.current_task().cancel)
+        threading.Timer(0.3, gate.open).start()
+        try:
+            await sched.aclose()
+        except asyncio.CancelledError as exc:
+            seen["cause"] = type(exc.__cause__)
+            seen["left"] = sched.pending, _lanes_alive()
+            raise
+        seen["went on"] = True
+
+    async def main():
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.create_task(closer())
+
+    _run(loop, main)
+    assert "went on" not in seen
+    assert seen["cause"] is InvalidInput and seen["left"] == (0, [])

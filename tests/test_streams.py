@@ -610,7 +610,8 @@ def test_device_calls_refuse_arguments_of_the_wrong_kind(device):
                  # a bound launcher takes a Stream and DeviceArrays (AttributeError before)
                  lambda: prepared.bind()(s, [np.ones(2, np.float32)], [o]),
                  lambda: prepared.bind()(None, [a], [o]),
-                 lambda: prepared.bind()(s, 5, [o])):
+                 lambda: prepared.bind()(s, 5, [o]),
+                 lambda: prepared.bind()(s, [a.buffer], [o.buffer])):  # a .ptr and no size
         with pytest.raises(InvalidArgument):
             call()
     assert not device.lost
