@@ -555,7 +555,8 @@ def _check_dtype(dtype: Any) -> np.dtype:
     if dt.hasobject:
         raise InvalidArgument(f"dtype {dt} holds Python objects, which device memory cannot; "
                               f"convert the array to a numeric dtype first")
-    if dt.kind in "cSUVMm":  # complex, text, void / records, datetimes: nothing reads them
+    if dt.kind in "cSUVMm" and dt != DTYPES["bfloat16"]:  # complex, text, void / records,
+        # datetimes: nothing reads them (ml_dtypes' bfloat16 is a numpy "V" kind too)
         raise InvalidArgument(f"dtype {dt} is not one device memory holds; give a numeric "
                               f"dtype (supported by programs and Results: "
                               f"{', '.join(DTYPES)})")

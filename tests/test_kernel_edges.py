@@ -23,6 +23,7 @@ from streamlane.runtime import (
     InvalidProgram,
     Program,
 )
+from streamlane.runtime.dtypes import DTYPES
 
 F32_MAX = float(np.finfo(np.float32).max)
 
@@ -615,8 +616,8 @@ def test_empty_and_to_device_refuse_dtypes_streamlane_does_not_know(device, dtyp
         device.empty((4,), dtype)
     with pytest.raises(InvalidArgument, match="not one device memory holds"):
         device.to_device(np.zeros(4, dtype), s)
-    for other in ("int16", "uint32", "uint64"):
-        data = np.arange(4, dtype=other)
+    for other in ("int16", "uint32", "uint64", "bfloat16"):
+        data = np.arange(4).astype(DTYPES[other] if other == "bfloat16" else other)
         np.testing.assert_array_equal(device.to_host(device.to_device(data, s), s), data)
 
 
