@@ -84,8 +84,12 @@ class PreparedLaunch:
                 f"{[list(s) for s in shapes[0]]} and {[list(s) for s in shapes[1]]}; prepare() "
                 f"a launch for these (device.launch() does it for you)")
         if not self.spec.internal:  # (strided_copy takes bytes and int64 strides)
+            want = DTYPES[self.dtype]
             for i, a in enumerate((*ins, *outs)):
-                if a.dtype.name != self.dtype:  # float64 bits read as float32, or past the end
+                # float64 bits read as float32, or int8 read past the end. (A dtype is compared
+                # by identity first: dtype.name builds a str, 5 us a launch on the H200; another
+                # byte order is the byte-order check's, below.)
+                if a.dtype is not want and a.dtype.newbyteorder("=") != want:
                     raise InvalidArgument(
                         f"run({self.spec.name}): prepared for {self.dtype} arguments, argument "
                         f"{i} is {a.dtype.name}; prepare(..., dtype={a.dtype.name!r}) a launch "
