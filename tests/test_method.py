@@ -375,6 +375,46 @@ def test_private_stream_per_step_breaks_the_determinism_test(host, monkeypatch):
 
 # -- rule 4: handoff between streams ---------------------------------------------------------
 
+def test_a_handoff_back_to_the_first_stream_waits_for_the_second(device):
+    """A -> B -> A: back on the thread's stream after an execute under a caller stream, the
+    method must wait for that execute (held by a latch) on the device. Not remembering the
+    caller stream as the last one skipped the wait, and no test noticed (found by breaking
+    rule 4 on purpose)."""
+    p = mlp()
+    m = p.method("forward", device=device)
+    x0, x1, x2 = x_for(p), x_for(p), x_for(p)
+    m([x0])[0].to_host()  # last on this thread's stream (A)
+    with device.create_latch() as latch, device.create_stream() as s:
+        latch.hold(s)
+        with CallerStream(s):
+            r1 = m([x1])[0]  # B, held
+        r2 = m([x2])[0]  # back on A
+        time.sleep(0.05)
+        assert not r2.ready(), "the execute back on A ran before B's held execute"
+        latch.release()
+        check(p, [x1], [r1])
+        check(p, [x2], [r2])
+
+
+def test_a_result_read_on_another_stream_waits_for_the_executes_last_step(host):
+    """The execute's event (what a reader on another stream waits for) is recorded after its
+    last step: recorded before it, a read under another stream saw the buffer unwritten, and
+    only timing luck in unrelated tests noticed (found by breaking rule 8 on purpose)."""
+    def slow_copy(stream, ins, outs):
+        time.sleep(0.1)
+        outs[0][...] = ins[0]
+
+    b = Program.build("slowlast")
+    mb = b.method("forward", x=("float32", [4]))
+    mb.call(slow_copy, [mb.step("relu", "x")], [("y", "float32", [4])])
+    mb.output("y")
+    m = b.finish().method("forward", device=host)
+    x = np.arange(4, dtype=np.float32)
+    r = m([x])[0]
+    with host.create_stream() as s, CallerStream(s):
+        np.testing.assert_array_equal(r.to_host(), x)
+
+
 def test_handoff_to_another_thread_waits_on_the_device(device):
     """One method behind a lock, driven from another thread: the second execute must not start
     before the first (held by a latch) on the device."""

@@ -85,6 +85,25 @@ async def test_a_dependent_waits_on_the_device_while_a_latch_holds_its_producer(
         assert b.span[0] >= a.span[1]  # timing events: b started after a ended
 
 
+async def test_after_orders_a_caller_stream_job_behind_its_lanes_own_stream(device):
+    """a on lane 0's own stream, b on the same lane under a caller stream with after=[a]: b's
+    stream must wait for a. Comparing a's stream with the lane's (not with b's) skipped the
+    wait, and only one random case of the fuzzer noticed (found by breaking the rule)."""
+    slow = spin_program(100_000, "slow").method("forward", device=device)
+    second = double_program("b").method("forward", device=device)
+    x = data(2)
+    with anyio.fail_after(30):
+        async with Scheduler(device, lanes=1) as sched:
+            a = await sched.submit(slow, [x], lane=0)
+            b = await sched.submit(second, [x], lane=0, stream=device.create_stream(),
+                                   after=[a])
+            (out,) = await b
+            assert a.event.query()  # a finished on the device before b
+            await a
+    np.testing.assert_array_equal(out.to_host(), 2 * x)
+    assert b.span[0] >= a.span[1]
+
+
 async def test_done_agrees_with_the_device_when_a_waiter_reports_late(device, monkeypatch):
     """done(), state and exception() settle a job the device has finished, instead of waiting
     for its lane's waiter thread (here made to report half a second late) to say so."""

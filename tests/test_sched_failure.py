@@ -125,6 +125,29 @@ async def test_statistics_agree_with_the_jobs_a_device_failure_failed(host, monk
                     await job
 
 
+async def test_a_break_fails_at_once_a_job_whose_lane_thread_is_stuck_in_it(host, monkeypatch):
+    """The break fails every pending job itself: a job whose lane thread cannot get back to it
+    (held inside its execute) must not wait for that thread. Without the break's own pass,
+    every other test of the rule still passed (the lanes fail what they hold on their own):
+    found by breaking the rule on purpose."""
+    slow, faulty = (double_program(n).method("forward", device=host) for n in ("slow", "bad"))
+    gate, inside = _hold_calls_of(slow, monkeypatch)
+    held = host.create_stream()
+    with anyio.fail_after(30):
+        async with Scheduler(host, lanes=2) as sched:
+            try:
+                stuck = await sched.submit(slow, [data(0)], lane=0)
+                await wait_until(inside.is_set)  # lane 0's thread is inside its execute
+                bad = await _fault_on_lane_1(sched, host, faulty, held)
+                with anyio.fail_after(2), pytest.raises(SchedulerBroken):
+                    await stuck  # the gate is still shut: only the break can fail it
+                assert stuck.state == "failed" and not gate.is_set()
+                with pytest.raises(SchedulerBroken):
+                    await bad
+            finally:
+                gate.set()
+
+
 async def test_a_job_its_lane_refused_as_the_device_broke_is_counted_once(host):
     """A lane thread that sees the break itself (in a host wait on another lane's job) counts
     its job completed, then publishes it. The loop's settling of the break, run in between,
