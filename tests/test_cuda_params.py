@@ -64,7 +64,16 @@ class _Function:
 
 
 def arrays(*ptrs):
-    return [SimpleNamespace(ptr=p) for p in ptrs]
+    """DeviceArrays holding only a pointer (the bound launcher reads nothing else, and takes
+    nothing but DeviceArrays)."""
+    from streamlane.runtime.memory import DeviceArray
+
+    made = []
+    for p in ptrs:
+        a = DeviceArray.__new__(DeviceArray)
+        a.ptr = p
+        made.append(a)
+    return made
 
 
 @pytest.mark.parametrize("kernel, in_shapes, params", [
