@@ -282,6 +282,76 @@ def test_execute_returns_while_the_stream_is_held(device):
     check(p, [x], [out])
 
 
+def test_two_programs_on_one_thread_serialize_and_overlap_only_under_caller_streams(device):
+    """Rule 7, directly: with no guard, a second program on the thread waits behind the first
+    (one stream: both held by a latch on it); under a caller stream each, the second runs
+    while the first is held."""
+    p1, p2 = mlp(), mlp()
+    m1, m2 = p1.method("forward", device=device), p2.method("forward", device=device)
+    x1, x2 = x_for(p1), x_for(p2)
+    m1([x1])[0].to_host()
+    m2([x2])[0].to_host()
+    with device.create_latch() as latch:
+        latch.hold(device.per_thread_stream())
+        r1, r2 = m1([x1])[0], m2([x2])[0]
+        time.sleep(0.05)
+        assert not r1.ready() and not r2.ready(), "the second program did not wait (rule 7)"
+        latch.release()
+    check(p1, [x1], [r1])
+    check(p2, [x2], [r2])
+    with device.create_latch() as latch, device.create_stream() as s1, \
+            device.create_stream() as s2:
+        latch.hold(s1)
+        with CallerStream(s1):
+            r1 = m1([x1])[0]
+        with CallerStream(s2):
+            r2 = m2([x2])[0]
+        r2.to_host()  # returns while the first program is held: deliberate overlap
+        assert not r1.ready()
+        latch.release()
+    check(p1, [x1], [r1])
+    check(p2, [x2], [r2])
+
+
+def test_a_result_input_from_a_held_stream_is_waited_for_on_the_device(device):
+    """Rule 6: a Result made on another stream (held by a latch) is waited for on the device,
+    not the host: the consumer's execute returns at once, and its output stays unready until
+    the producer's stream runs. (A host wait there would block until the latch opens.)"""
+    p = mlp()
+    producer, consumer = p.method("forward", device=device), p.method("forward", device=device)
+    x = x_for(p)
+    consumer([x])[0].to_host()
+    b = Program.build("pass")
+    mb = b.method("forward", x=("float32", list(x.shape)))
+    mb.output(mb.step("copy", "x", out="y"))
+    copier = b.finish().method("forward", device=device)
+    with device.create_latch() as latch, device.create_stream() as s:
+        latch.hold(s)
+        with CallerStream(s):
+            made = copier([x])[0]  # on s, behind the latch
+        waits = device.stats.host_waits
+        box: dict[str, Result] = {}
+        called, finish = threading.Event(), threading.Event()
+
+        def consume():
+            box["out"] = producer([made])[0]
+            called.set()
+            finish.wait(10)  # a thread ends only once its stream's work is done (CUDA)
+
+        t = threading.Thread(target=consume)
+        t.start()
+        try:
+            assert called.wait(5), "the consumer's execute waited on the host for its input"
+            assert device.stats.host_waits == waits
+            time.sleep(0.05)
+            assert not box["out"].ready()
+        finally:
+            latch.release()
+            finish.set()
+            t.join(10)
+        check(p, [x], [box["out"]])
+
+
 # -- rule 1: one stream per execute; the determinism test ------------------------------------
 
 def _cupy_stream(cp, stream):
