@@ -93,6 +93,9 @@ class JobOutput:
         raise InvalidArgument(f"{self!r} is a job's output on the device: await the job and "
                               f"read its Result with to_host(), or pass it to a later submit")
 
+    def __copy__(self) -> Any:  # as a Result's: the object itself
+        return self
+
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise TypeError(_NOT_PICKLED.format(what=repr(self)))
 
@@ -119,6 +122,9 @@ class JobOutputs(Sequence[JobOutput]):
 
     def __len__(self) -> int:
         return len(self._items)
+
+    def __copy__(self) -> JobOutputs:
+        return self
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise TypeError(_NOT_PICKLED.format(what="a job's outputs"))
@@ -420,6 +426,9 @@ class Job:
 
     def __repr__(self) -> str:
         return f"{self.label[:-1]} {self.state}>"
+
+    def __copy__(self) -> Any:  # as a Result's: the object itself
+        return self
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise TypeError(_NOT_PICKLED.format(what=repr(self)))

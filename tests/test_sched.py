@@ -1386,6 +1386,7 @@ async def test_a_job_and_its_outputs_refuse_numpy_and_pickle_saying_what_to_do(h
             for how in (pickle.dumps, copy.deepcopy):
                 with pytest.raises(TypeError, match="belongs to a scheduler of this process"):
                     how(thing)
+            assert copy.copy(thing) is thing  # as a Result's
         np.testing.assert_array_equal((await job)[0].to_host(), data(0) * 2)
 
 
