@@ -80,7 +80,10 @@ class Method:
         self.name = f"{program.name}.{mdef.name}"
         self.options = _check_options(options, self.name)
         self.clone_outputs: bool = self.options["clone_outputs"]
-        self._guard = threading.Lock()
+        # One caller at a time (rule 4). An RLock for its owner check: taken inside the `try`
+        # that gives it back, so that a Ctrl-C landing as the take returns still gives it back
+        # (see _busy's callers); a re-entry is refused before, by that check.
+        self._guard = threading.RLock()
         self._inputs: list[Any] | None = None  # host arrays, Results or _Foreign
         self._inputs_valid = False
         self._outputs: list[Result] | None = None
@@ -130,12 +133,18 @@ class Method:
 
         A wrong count raises and leaves the previous inputs intact; any other bad input raises
         and makes ``execute()`` refuse until every input is passed again."""
-        if not self._guard.acquire(blocking=False):
+        guard = self._guard
+        if guard._is_owned():  # a re-entry: an input's __array__, a step calling back
             raise _busy(self, "set_inputs")
-        try:
+        try:  # the take inside the try: a Ctrl-C as it returns still gives it back
+            if not guard.acquire(blocking=False):
+                raise _busy(self, "set_inputs")
             self._set_inputs(values)
         finally:
-            self._guard.release()
+            try:
+                guard.release()
+            except RuntimeError:  # not ours: another thread holds it
+                pass
 
     def _set_inputs(self, values: Sequence[Any]) -> None:
         """``set_inputs`` with the guard held."""
@@ -370,12 +379,18 @@ class Method:
         timing events)."""
         if start is not None:
             _check_start(self, start, "execute")
-        if not self._guard.acquire(blocking=False):
+        guard = self._guard
+        if guard._is_owned():  # a re-entry: an input's __array__, a step calling back
             raise _busy(self, "execute")
-        try:
+        try:  # the take inside the try: a Ctrl-C as it returns still gives it back
+            if not guard.acquire(blocking=False):
+                raise _busy(self, "execute")
             self._execute(start)
         finally:
-            self._guard.release()
+            try:
+                guard.release()
+            except RuntimeError:  # not ours: another thread holds it
+                pass
 
     def _execute(self, start: Event | None) -> None:
         """``execute`` with the guard held."""
@@ -530,12 +545,18 @@ class Method:
 
     def get_outputs(self) -> list[Result]:
         """The outputs of the last execute (Results; no copy, no host wait)."""
-        if not self._guard.acquire(blocking=False):  # mid-call on another thread, they change
+        guard = self._guard
+        if guard._is_owned():  # a re-entry: an input's __array__, a step calling back
             raise _busy(self, "get_outputs")
-        try:
+        try:  # the take inside the try: a Ctrl-C as it returns still gives it back
+            if not guard.acquire(blocking=False):  # mid-call on another thread, they change
+                raise _busy(self, "get_outputs")
             return self._get_outputs()
         finally:
-            self._guard.release()
+            try:
+                guard.release()
+            except RuntimeError:  # not ours: another thread holds it
+                pass
 
     def _get_outputs(self) -> list[Result]:
         """``get_outputs`` with the guard held."""
@@ -565,14 +586,20 @@ class Method:
         ``InvalidState`` instead), so the outputs are always those of ``values``."""
         if start is not None:
             _check_start(self, start, "__call__")
-        if not self._guard.acquire(blocking=False):
+        guard = self._guard
+        if guard._is_owned():  # a re-entry: an input's __array__, a step calling back
             raise _busy(self, "__call__")
-        try:
+        try:  # the take inside the try: a Ctrl-C as it returns still gives it back
+            if not guard.acquire(blocking=False):
+                raise _busy(self, "__call__")
             self._set_inputs(values)
             self._execute(start)
             return self._get_outputs()
         finally:
-            self._guard.release()
+            try:
+                guard.release()
+            except RuntimeError:  # not ours: another thread holds it
+                pass
 
     # -- internals ------------------------------------------------------------------------
     def _buffer_maker(self, t: Any) -> Any:

@@ -1002,6 +1002,51 @@ def test_an_execute_cut_short_with_nothing_to_mark_its_end_makes_the_next_wait_f
     assert not m.may_wait_on_host()
 
 
+class _InterruptedAsTaken:
+    """A method's guard whose take is interrupted as it returns (a Ctrl-C landing as the
+    acquire call returns, before the next statement): the lock is held, the caller sees the
+    exception."""
+
+    def __init__(self, real):
+        self.real, self.armed = real, True
+
+    def acquire(self, blocking=True):
+        from sched_helpers import Interrupt
+
+        got = self.real.acquire(blocking)
+        if got and self.armed:
+            self.armed = False
+            raise Interrupt
+        return got
+
+    def release(self):
+        self.real.release()
+
+    def _is_owned(self):
+        return self.real._is_owned()
+
+
+@pytest.mark.parametrize("call", ["__call__", "set_inputs", "execute", "get_outputs"])
+def test_a_ctrl_c_as_the_guard_is_taken_leaves_the_method_usable(host, call):
+    """The guard was taken before the `try` that gives it back: a Ctrl-C landing as the take
+    returned left the method refusing every later call (MethodBusy, for good; a README known
+    gap until the twenty-sixth session). It is taken inside the try now."""
+    from sched_helpers import Interrupt
+
+    p = mlp()
+    m = p.method("forward", device=host)
+    x = x_for(p)
+    m([x])
+    m._guard = _InterruptedAsTaken(m._guard)
+    with pytest.raises(Interrupt):
+        {"__call__": lambda: m([x]), "set_inputs": lambda: m.set_inputs([x]),
+         "execute": m.execute, "get_outputs": m.get_outputs}[call]()
+    check(p, [x], m([x]))  # usable: every call takes the guard again
+    m.set_inputs([x])
+    m.execute()
+    check(p, [x], m.get_outputs())
+
+
 def test_a_ctrl_c_anywhere_in_execute_leaves_the_next_execute_ordered(host):
     """A Ctrl-C raised at each line of execute in turn (sys.settrace line events: where a
     signal lands), while that execute's earlier work is held on its stream by a latch. The
