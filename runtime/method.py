@@ -134,7 +134,7 @@ class Method:
         A wrong count raises and leaves the previous inputs intact; any other bad input raises
         and makes ``execute()`` refuse until every input is passed again."""
         guard = self._guard
-        if guard._is_owned():  # a re-entry: an input's __array__, a step calling back
+        if guard._is_owned():  # a re-entry on this thread: an input's __array__, a handler
             raise _busy(self, "set_inputs")
         try:  # the take inside the try: a Ctrl-C as it returns still gives it back
             if not guard.acquire(blocking=False):
@@ -380,7 +380,7 @@ class Method:
         if start is not None:
             _check_start(self, start, "execute")
         guard = self._guard
-        if guard._is_owned():  # a re-entry: an input's __array__, a step calling back
+        if guard._is_owned():  # a re-entry on this thread: an input's __array__, a handler
             raise _busy(self, "execute")
         try:  # the take inside the try: a Ctrl-C as it returns still gives it back
             if not guard.acquire(blocking=False):
@@ -546,7 +546,7 @@ class Method:
     def get_outputs(self) -> list[Result]:
         """The outputs of the last execute (Results; no copy, no host wait)."""
         guard = self._guard
-        if guard._is_owned():  # a re-entry: an input's __array__, a step calling back
+        if guard._is_owned():  # a re-entry on this thread: an input's __array__, a handler
             raise _busy(self, "get_outputs")
         try:  # the take inside the try: a Ctrl-C as it returns still gives it back
             if not guard.acquire(blocking=False):  # mid-call on another thread, they change
@@ -587,7 +587,7 @@ class Method:
         if start is not None:
             _check_start(self, start, "__call__")
         guard = self._guard
-        if guard._is_owned():  # a re-entry: an input's __array__, a step calling back
+        if guard._is_owned():  # a re-entry on this thread: an input's __array__, a handler
             raise _busy(self, "__call__")
         try:  # the take inside the try: a Ctrl-C as it returns still gives it back
             if not guard.acquire(blocking=False):
