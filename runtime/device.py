@@ -65,7 +65,7 @@ class PreparedLaunch:
     function: Any  # the backend's loaded kernel
     in_shapes: tuple[tuple[int, ...], ...] = ()  # what it was prepared for (run() checks)
     out_shapes: tuple[tuple[int, ...], ...] = ()
-    dtype: str = "float32"  # every argument's, for a public kernel (run() checks)
+    dtype: np.dtype = DTYPES["float32"]  # every argument's, for a public kernel (run() checks)
 
     def run(self, stream: Stream, ins: Sequence[DeviceArray], outs: Sequence[DeviceArray]) -> None:
         """Enqueue the launch on ``stream``, after checking what the kernel will read: arrays
@@ -84,14 +84,14 @@ class PreparedLaunch:
                 f"{[list(s) for s in shapes[0]]} and {[list(s) for s in shapes[1]]}; prepare() "
                 f"a launch for these (device.launch() does it for you)")
         if not self.spec.internal:  # (strided_copy takes bytes and int64 strides)
-            want = DTYPES[self.dtype]
+            want = self.dtype
             for i, a in enumerate((*ins, *outs)):
                 # float64 bits read as float32, or int8 read past the end. (A dtype is compared
                 # by identity first: dtype.name builds a str, 5 us a launch on the H200; another
                 # byte order is the byte-order check's, below.)
                 if a.dtype is not want and a.dtype.newbyteorder("=") != want:
                     raise InvalidArgument(
-                        f"run({self.spec.name}): prepared for {self.dtype} arguments, argument "
+                        f"run({self.spec.name}): prepared for {want.name} arguments, argument "
                         f"{i} is {a.dtype.name}; prepare(..., dtype={a.dtype.name!r}) a launch "
                         f"for it, if {self.spec.name} takes it (device.launch() does it for you)")
         _check_memory(self.spec, ins, outs)
@@ -321,7 +321,8 @@ class Device(ABC):
             raise InvalidArgument(f"kernel {kernel!r}: {exc}") from None
         return PreparedLaunch(self, spec, config, resolved,
                               self._function(spec, config.entry or spec.entry),
-                              tuple(tuple(s) for s in ins), tuple(tuple(s) for s in outs), dtype)
+                              tuple(tuple(s) for s in ins), tuple(tuple(s) for s in outs),
+                              DTYPES[dtype])
 
     def launch(self, kernel: str, stream: Stream, ins: Sequence[DeviceArray],
                outs: Sequence[DeviceArray], params: Mapping[str, Any] | None = None) -> None:
