@@ -107,7 +107,7 @@ UNOBSERVED_KEPT = 32
 MAX_LANES = 1024
 
 
-async def _wait_shielded(wait: Callable[[], Any], timeout: float | None,
+async def _wait_shielded(wait: Callable[[], Any], timeout: float,
                          deferred: list[BaseException]) -> None:
     """``await wait()`` for at most ``timeout`` seconds, inside the caller's shielded scope.
     anyio's shield stops anyio's and trio's cancellation but not asyncio's own ``task.cancel()``
@@ -115,7 +115,7 @@ async def _wait_shielded(wait: Callable[[], Any], timeout: float | None,
     short: it returned with lane threads running and jobs pending. Such a cancellation is kept
     in ``deferred`` for the caller to raise once nothing is left running."""
     try:
-        with anyio.move_on_after(math.inf if timeout is None else timeout):
+        with anyio.move_on_after(timeout):
             await wait()
     except anyio.get_cancelled_exc_class() as exc:
         if not deferred:
@@ -441,7 +441,7 @@ class Scheduler:
             deferred: list[BaseException] = []
             with anyio.CancelScope(shield=True):
                 while not self._closed.is_set():
-                    await _wait_shielded(self._closed.wait, None, deferred)
+                    await _wait_shielded(self._closed.wait, math.inf, deferred)
             if deferred:
                 raise deferred[0]
             return
