@@ -303,6 +303,14 @@ class Program:
 
 # -- the builder ----------------------------------------------------------------------------
 
+def _own_copy(array: np.ndarray) -> np.ndarray:
+    """A read-only copy of ``array``, native byte order and C-ordered, as a program keeps it
+    (``np.array`` keeps a 0-d array 0-d, where ``np.ascontiguousarray`` makes it 1-d)."""
+    copy = np.array(array, dtype=array.dtype.newbyteorder("="), order="C", copy=True)
+    copy.flags.writeable = False
+    return copy
+
+
 class ProgramBuilder:
     """Build a program in Python; ``finish()`` validates it exactly as a file is validated.
 
@@ -338,7 +346,7 @@ class ProgramBuilder:
             if name in m._shapes:
                 raise InvalidProgram(f"{where}.name", f"a name not already used by an input "
                                      f"or buffer of method {m.name!r}", name)
-        self._constants[name] = array
+        self._constants[name] = _own_copy(array)  # the caller may change theirs before finish()
         return name
 
     def method(self, name: str, /, **inputs: tuple[DTypeArg, ShapeArg]) -> MethodBuilder:
@@ -357,7 +365,9 @@ class ProgramBuilder:
                "methods": {k: m._json() for k, m in self._methods.items()}}
         if self._constants:
             doc["constants"] = f"{self.name}.npz"
-        return Program.from_manifest(doc, self._constants, self._callables)
+        # The constants are the builder's own read-only copies (constant()): no second copy.
+        return _Validator(doc, dict(self._constants), dict(self._callables),
+                          owned=True).program()
 
 
 class MethodBuilder:
@@ -923,11 +933,14 @@ class _Names(dict):
 
 class _Validator:
     def __init__(self, doc: Any, constants: dict[str, np.ndarray], callables: dict[str, StepFn],
-                 folder: Path | None = None):
+                 folder: Path | None = None, owned: bool = False):
         self.doc = doc
         self.constants = constants
         self.callables = callables
         self.folder = folder  # where the constants file lies (Program.load)
+        # The constants are copies no caller holds (a file's, just read; a builder's): kept as
+        # they are once native and C-ordered, where a caller's arrays are copied.
+        self.owned = owned or folder is not None
         self.stand_ins = False  # self.constants hold the file's headers, not its data
 
     def program(self) -> Program:
@@ -993,7 +1006,7 @@ class _Validator:
                 continue
             native = v.dtype.newbyteorder("=")
             # (np.asarray, not np.ascontiguousarray: that one makes a 0-d array 1-d)
-            array = np.asarray(v, dtype=native, order="C") if self.folder is not None \
+            array = np.asarray(v, dtype=native, order="C") if self.owned \
                 else np.array(v, dtype=native, order="C", copy=True)
             array.flags.writeable = False
             consts[k] = array

@@ -274,3 +274,23 @@ def test_a_strided_host_bfloat16_tensor_comes_in_by_its_strides(host):  # D02
     r = Result.from_host(producer, host)
     assert r.dtype_name == "bfloat16" and r.shape == (4, 3)
     np.testing.assert_array_equal(r.to_host().astype(np.float32), base.T.astype(np.float32))
+
+
+def test_a_builder_constant_is_copied_when_it_is_added():
+    """``constant()`` keeps "an array, copied as it is now": a change made to the caller's
+    array before ``finish()`` stays out of the program. It kept a reference, so the program
+    took whatever the array held at ``finish()`` (found by the mutation round's reviewer)."""
+    w = np.ones((2, 2), np.float32)
+    b = Program.build("p", constants={"w": w})
+    v = np.full(3, 2.0, np.float32)
+    b.constant("v", v)
+    m = b.method("f", x=("float32", [2, 2]))
+    m.output(m.step("matmul", "x", "w", out="y"))
+    w[:] = 5
+    v[:] = 7
+    program = b.finish()
+    assert program.constants["w"].tolist() == [[1.0, 1.0], [1.0, 1.0]]
+    assert program.constants["v"].tolist() == [2.0, 2.0, 2.0]
+    assert not program.constants["w"].flags.writeable
+    w[:] = 9  # and after finish(), as before
+    assert b.finish().constants["w"].tolist() == [[1.0, 1.0], [1.0, 1.0]]
